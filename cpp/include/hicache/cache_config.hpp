@@ -1,0 +1,38 @@
+#pragma once
+// What an engine tells the cache at construction.
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+namespace hicache {
+
+struct CacheConfig {
+  /// Tokens per engine KV block (= per host page).
+  std::int64_t block_tokens = 128;
+  /// Host page slots (the pool holds capacity_pages * page_bytes).
+  std::int64_t capacity_pages = 0;
+  /// At least this many prompt tokens are always left to recompute on a hit (>= 1: the last
+  /// token must run to produce logits; hybrid models need their bounded-replay suffix).
+  std::int64_t keep_tokens = 1;
+  /// Bytes of one per-sequence state (0: the model has none and states are off).
+  std::int64_t state_bytes = 0;
+  /// Host state slots.
+  std::int64_t capacity_states = 0;
+  /// store() saves states at this many of the prompt's last block boundaries.
+  std::int64_t state_lookback = 2;
+  /// Root of every chain unless a call passes its own (tenant namespace).
+  std::string salt;
+  /// Consecutive cache failures after which the cache disables itself.
+  std::int64_t error_limit = 8;
+  /// Tests only: keep this many bits of each chain key (128 = the real hash). Fewer bits make
+  /// collisions common, to show that exact matching never serves another prefix's page.
+  int key_bits = 128;
+  /// Target size of one host allocation.
+  std::size_t pool_chunk_bytes = std::size_t{256} << 20;
+
+  /// @throws std::invalid_argument naming the first bad field.
+  void validate() const;
+};
+
+}  // namespace hicache

@@ -1,0 +1,49 @@
+#pragma once
+// Counters of a HostPrefixCache, a snapshot taken under its lock.
+
+#include <cstdint>
+#include <string>
+
+namespace hicache {
+
+struct CacheStats {
+  // resume
+  std::int64_t lookups = 0;        ///< try_resume calls that looked (disabled cache: counted too)
+  std::int64_t lookup_tokens = 0;  ///< prompt tokens of those calls
+  std::int64_t hits = 0;           ///< calls that returned > 0
+  std::int64_t hit_tokens = 0;     ///< tokens served from host memory
+  std::int64_t deferred = 0;       ///< calls that returned -1 (allocate refused)
+  // store
+  std::int64_t stores = 0;       ///< store calls
+  std::int64_t store_skips = 0;  ///< store calls that could not keep every full block (pool busy)
+  std::int64_t collisions = 0;   ///< chain keys found holding other tokens
+  // transfers
+  std::int64_t pages_stored = 0;
+  std::int64_t pages_loaded = 0;
+  std::int64_t pages_evicted = 0;
+  std::int64_t states_stored = 0;
+  std::int64_t states_loaded = 0;
+  std::int64_t states_evicted = 0;
+  std::int64_t transfers_in_flight = 0;
+  // occupancy
+  std::int64_t pages_used = 0;
+  std::int64_t pages_capacity = 0;
+  std::int64_t pages_busy = 0;  ///< held by a transfer or pending their store
+  std::int64_t states_used = 0;
+  std::int64_t states_capacity = 0;
+  std::int64_t states_busy = 0;
+  std::int64_t host_bytes = 0;  ///< host memory allocated so far
+  std::int64_t requests = 0;    ///< requests known (seen and not forgotten)
+  // health
+  std::int64_t errors = 0;
+  bool disabled = false;
+  std::string disabled_reason;
+  std::string last_error;
+
+  double hit_rate() const { return lookups ? static_cast<double>(hits) / lookups : 0.0; }
+  double token_hit_rate() const {
+    return lookup_tokens ? static_cast<double>(hit_tokens) / lookup_tokens : 0.0;
+  }
+};
+
+}  // namespace hicache

@@ -1,0 +1,60 @@
+#pragma once
+// The copier: moves pages between the engine's blocks and host slots, in one direction a batch.
+//
+// A copier enqueues work on the caller's stream and reports completion through a Fence recorded
+// after it. The CPU copier copies at once; the CUDA copier launches one gather/scatter kernel.
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <span>
+
+#include "hicache/device.hpp"
+#include "hicache/host_pool.hpp"
+#include "hicache/page_layout.hpp"
+
+namespace hicache {
+
+enum class Direction { kToHost, kToDevice };
+
+/// One page of a batch: the engine block and the host slot address.
+struct PageMove {
+  std::int64_t block = 0;
+  std::byte* host = nullptr;
+};
+
+/// Completion marker of everything enqueued on a stream before it was recorded.
+class Fence {
+ public:
+  virtual ~Fence() = default;
+  /// Non-blocking. @throws hicache::Error if the device reports a failure.
+  virtual bool done() = 0;
+  /// Blocks until done; never throws (used on teardown).
+  virtual void wait() noexcept = 0;
+};
+
+class Copier {
+ public:
+  virtual ~Copier() = default;
+
+  /// Enqueues copies of whole pages. Block ids were checked by the caller.
+  /// @throws hicache::Error if the copy cannot be enqueued.
+  virtual void copy_pages(Direction dir, const PageLayout& layout, std::span<const PageMove> moves,
+                          StreamHandle stream) = 0;
+
+  /// Enqueues one contiguous copy between an engine buffer and host memory (state slots).
+  /// @throws hicache::Error if the copy cannot be enqueued.
+  virtual void copy_bytes(Direction dir, const DeviceBuffer& engine_buffer, std::byte* host,
+                          StreamHandle stream) = 0;
+
+  /// A fence after all work enqueued so far on `stream`. @throws hicache::Error.
+  virtual std::unique_ptr<Fence> record(StreamHandle stream) = 0;
+
+  /// Where host slots come from (plain for the CPU copier, pinned for the CUDA copier).
+  virtual std::shared_ptr<HostAllocator> host_allocator() = 0;
+
+  /// Whether engine memory on `device` can be reached by this copier.
+  virtual bool supports(Device device) const = 0;
+};
+
+}  // namespace hicache

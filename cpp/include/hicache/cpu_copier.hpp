@@ -1,0 +1,61 @@
+#pragma once
+// Copiers for engine memory that the CPU can address: the real one for CPU engines, and a
+// deferred one that models an asynchronous device for tests.
+
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <vector>
+
+#include "hicache/copier.hpp"
+
+namespace hicache {
+
+/// memcpy, complete at once. Ignores the stream.
+class CpuCopier : public Copier {
+ public:
+  explicit CpuCopier(std::shared_ptr<HostAllocator> allocator = make_aligned_host_allocator());
+  void copy_pages(Direction dir, const PageLayout& layout, std::span<const PageMove> moves,
+                  StreamHandle stream) override;
+  void copy_bytes(Direction dir, const DeviceBuffer& engine_buffer, std::byte* host,
+                  StreamHandle stream) override;
+  std::unique_ptr<Fence> record(StreamHandle stream) override;
+  std::shared_ptr<HostAllocator> host_allocator() override { return allocator_; }
+  bool supports(Device device) const override { return device.kind == DeviceKind::kCpu; }
+
+ private:
+  std::shared_ptr<HostAllocator> allocator_;
+};
+
+/// Test copier modelling an asynchronous device on the CPU: each stream is a queue; copies only
+/// happen, and fences only complete, when complete() is called for their stream (or a fence is
+/// waited on, as the cache does on teardown). A slot reused while its transfer is pending would
+/// therefore receive or supply the wrong bytes, which tests can see; streams complete out of
+/// order with each other, as on a GPU.
+class DeferredCopier : public Copier {
+ public:
+  DeferredCopier();
+  void copy_pages(Direction dir, const PageLayout& layout, std::span<const PageMove> moves,
+                  StreamHandle stream) override;
+  void copy_bytes(Direction dir, const DeviceBuffer& engine_buffer, std::byte* host,
+                  StreamHandle stream) override;
+  std::unique_ptr<Fence> record(StreamHandle stream) override;
+  std::shared_ptr<HostAllocator> host_allocator() override { return allocator_; }
+  bool supports(Device device) const override { return device.kind == DeviceKind::kCpu; }
+
+  /// Performs every queued copy of `stream`, in order, and completes its fences.
+  /// Returns the number of copies performed.
+  std::size_t complete(StreamHandle stream);
+  /// The same for every stream.
+  std::size_t complete();
+  /// Copies queued and not yet performed, over all streams.
+  std::size_t pending() const;
+
+  struct State;  // shared with the fences it hands out
+
+ private:
+  std::shared_ptr<HostAllocator> allocator_;
+  std::shared_ptr<State> state_;
+};
+
+}  // namespace hicache

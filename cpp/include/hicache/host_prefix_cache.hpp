@@ -1,0 +1,133 @@
+#pragma once
+// HostPrefixCache: the policy. Write-through store of full prompt blocks (and hybrid-model
+// states), exact prefix resume, LRU eviction of idle entries, transfers retired by poll().
+//
+// Threads: every public method may be called from several threads at once. Callbacks
+// (allocate, state_export) are called without the cache's lock held, so they may call the cache.
+
+#include <cstdint>
+#include <functional>
+#include <list>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <unordered_map>
+#include <vector>
+
+#include "hicache/cache_config.hpp"
+#include "hicache/cache_stats.hpp"
+#include "hicache/copier.hpp"
+#include "hicache/host_pool.hpp"
+#include "hicache/page_layout.hpp"
+#include "hicache/prefix_index.hpp"
+
+namespace hicache {
+
+class HostPrefixCache {
+ public:
+  /// Given the number of tokens to load (a multiple of block_tokens), returns the engine block
+  /// ids that receive them, one per page in prompt order, or nullopt to defer (no blocks now).
+  using AllocateFn = std::function<std::optional<std::vector<std::int64_t>>(std::int64_t tokens)>;
+  /// Given a position (a multiple of block_tokens), returns a buffer holding the engine's state
+  /// at that position (state_bytes, on the segments' device), or nullopt if the engine can no
+  /// longer produce it. The buffer must stay valid until the copy enqueued on the stream ran.
+  using StateExportFn = std::function<std::optional<DeviceBuffer>(std::int64_t position)>;
+
+  /// @param segments the engine's KV tensors (see page_layout.hpp), all on `device`.
+  /// @param copier nullptr picks the CPU copier for CPU segments.
+  /// @throws std::invalid_argument for a bad layout or config, or segments the copier cannot
+  ///         reach. Allocates no host memory: pools are allocated at the first store.
+  HostPrefixCache(std::vector<Segment> segments, Device device, CacheConfig config,
+                  std::shared_ptr<Copier> copier = nullptr);
+  /// Waits for transfers still in flight, then frees the host pools.
+  ~HostPrefixCache();
+  HostPrefixCache(const HostPrefixCache&) = delete;
+  HostPrefixCache& operator=(const HostPrefixCache&) = delete;
+
+  /// Looks up the longest cached prefix of `prompt`, leaving at least keep_tokens to compute
+  /// and, if the model has state, ending where a state is stored. On a hit, calls
+  /// `allocate(tokens)`, then enqueues the copies into those blocks (and the state into
+  /// `state_out`) on `stream`, so work the engine enqueues after it on that stream sees the data.
+  /// @return tokens served (a multiple of block_tokens; the engine prefills from there), 0 on a
+  ///         miss or cache failure (counted; never thrown), -1 if allocate deferred.
+  /// @throws std::invalid_argument for an empty prompt, a missing or wrong-sized state_out, or
+  ///         an allocate result of the wrong length or with duplicates; std::out_of_range for a
+  ///         block id outside the pool. Nothing is copied when it throws.
+  std::int64_t try_resume(std::string_view request_id, std::span<const std::int32_t> prompt,
+                          const AllocateFn& allocate, StreamHandle stream = nullptr,
+                          std::optional<DeviceBuffer> state_out = std::nullopt,
+                          std::optional<std::string_view> salt = std::nullopt);
+
+  /// Write-through after prefill: enqueues on `stream` the copy of every full block of `tokens`
+  /// not yet cached (block_ids[i] holds tokens [i*B, (i+1)*B)), and asks `state_export` for the
+  /// state at the last state_lookback block boundaries not yet cached. Best effort: stops when
+  /// no slot can be freed (counted). Entries become hit-able once poll() sees the copy complete.
+  /// @return pages newly enqueued.
+  /// @throws std::invalid_argument if block_ids is shorter than the full blocks of tokens or a
+  ///         state buffer is the wrong size or device; std::out_of_range for a bad block id.
+  std::int64_t store(std::string_view request_id, std::span<const std::int32_t> tokens,
+                     std::span<const std::int64_t> block_ids, StreamHandle stream = nullptr,
+                     const StateExportFn& state_export = {},
+                     std::optional<std::string_view> salt = std::nullopt);
+
+  /// Retires completed transfers: stored entries become hit-able, loaded ones are released.
+  /// Non-blocking. @return transfers retired.
+  std::int64_t poll();
+
+  /// The request finished or was aborted; its GPU blocks may be reused from now on. Stores of
+  /// it that have not completed are discarded when they complete (never served), and their
+  /// slots stay held until then. @throws hicache::UnknownRequest if the id is not known.
+  void forget(std::string_view request_id);
+
+  CacheStats stats() const;
+  const PageLayout& layout() const { return layout_; }
+  const CacheConfig& config() const { return config_; }
+
+  /// Tests: keys of cached pages, least recently used first.
+  std::vector<Key> page_lru_order() const;
+
+ private:
+  struct Transfer {
+    std::string request;
+    bool is_store = false;
+    bool discard = false;  // store of a forgotten request: drop instead of publishing
+    std::unique_ptr<Fence> fence;
+    std::vector<Entry*> pages;
+    std::vector<Entry*> states;
+  };
+
+  std::int64_t retire_completed();
+  void finish(Transfer& t);
+  std::uint64_t root_serial(std::string_view salt);
+  void note_request(std::string_view request_id);
+  void note_error(const std::string& what);
+  void note_success() { consecutive_errors_ = 0; }
+  // Registers what was enqueued so far; if no fence can be recorded the entries stay held
+  // forever (never reused while a copy might still touch them).
+  void register_transfer(Transfer t, StreamHandle stream, bool failed);
+  bool store_state(std::string_view request_id, const Key& key, std::uint64_t page_serial,
+                   std::int64_t position, StreamHandle stream, const StateExportFn& state_export,
+                   std::unique_lock<std::mutex>& lock);
+
+  PageLayout layout_;
+  CacheConfig config_;
+  std::shared_ptr<Copier> copier_;
+  std::unique_ptr<HostPool> page_pool_;
+  std::unique_ptr<HostPool> state_pool_;
+
+  mutable std::mutex mu_;
+  PrefixIndex pages_;
+  PrefixIndex states_;
+  std::list<Transfer> transfers_;
+  std::unordered_map<std::string, std::int64_t> requests_;  // id -> transfers in flight
+  std::unordered_map<std::string, std::uint64_t> roots_;    // salt -> root serial
+  std::uint64_t next_serial_ = 1;
+  std::int64_t consecutive_errors_ = 0;
+  bool disabled_ = false;
+  CacheStats stats_;
+};
+
+}  // namespace hicache

@@ -1,0 +1,80 @@
+#pragma once
+// The index: key -> entry, with an intrusive LRU list and a fixed number of host slots.
+//
+// One index per pool (pages, states). An entry is evictable only when it is idle (no transfer
+// holds it: refs == 0) and ready (its device-to-host copy completed); entries waiting for their
+// store hold a reference, so both conditions reduce to refs == 0.
+
+#include <cstdint>
+#include <unordered_map>
+#include <vector>
+
+#include "hicache/key.hpp"
+
+namespace hicache {
+
+struct Entry {
+  Key key;
+  /// Unique per entry ever created; a child records its parent's serial, so a page re-stored
+  /// after its parent was evicted and replaced is never linked to the new parent by mistake.
+  std::uint64_t serial = 0;
+  /// Pages: serial of the parent page (or of the salt root for page 0).
+  /// States: serial of the page that ends at the state's position.
+  std::uint64_t parent_serial = 0;
+  Key parent_key;
+  std::vector<std::int32_t> tokens;  ///< pages only: the page's tokens, compared on every hit
+  std::int64_t slot = -1;            ///< host slot holding the bytes
+  std::int32_t refs = 0;             ///< transfers (or an ongoing call) holding the entry
+  bool ready = false;                ///< device-to-host copy completed: hit-able
+
+  Entry* lru_prev = nullptr;  ///< towards least recently used
+  Entry* lru_next = nullptr;  ///< towards most recently used
+};
+
+class PrefixIndex {
+ public:
+  /// @throws std::invalid_argument if capacity < 0.
+  explicit PrefixIndex(std::int64_t capacity);
+  PrefixIndex(const PrefixIndex&) = delete;
+  PrefixIndex& operator=(const PrefixIndex&) = delete;
+
+  Entry* find(const Key& key);
+
+  /// Creates an entry for an absent key at the most-recently-used end, not ready, holding one
+  /// reference (its pending store). Takes a free slot, else evicts the least recently used idle
+  /// entry. Returns nullptr, changing nothing, when every slot is held.
+  Entry* insert(const Key& key, std::uint64_t serial, std::uint64_t parent_serial);
+
+  /// Removes an idle entry and frees its slot. @throws std::logic_error if it is held.
+  void erase(Entry* e);
+
+  /// Marks as most recently used.
+  void touch(Entry* e);
+  void pin(Entry* e) { busy_ += e->refs++ == 0 ? 1 : 0; }
+  void unpin(Entry* e);
+
+  std::int64_t size() const { return static_cast<std::int64_t>(map_.size()); }
+  std::int64_t capacity() const { return capacity_; }
+  std::int64_t evictions() const { return evictions_; }
+  /// Entries held by a transfer or pending their store.
+  std::int64_t busy() const { return busy_; }
+
+  /// Least recently used first (tests and the reference comparison).
+  std::vector<const Entry*> lru_order() const;
+
+ private:
+  void link_mru(Entry* e);
+  void unlink(Entry* e);
+  std::int64_t take_slot();
+
+  std::unordered_map<Key, Entry, KeyHash> map_;
+  Entry* lru_head_ = nullptr;  // least recently used
+  Entry* lru_tail_ = nullptr;  // most recently used
+  std::vector<std::int64_t> free_slots_;
+  std::int64_t next_unused_slot_ = 0;
+  std::int64_t capacity_;
+  std::int64_t evictions_ = 0;
+  std::int64_t busy_ = 0;
+};
+
+}  // namespace hicache

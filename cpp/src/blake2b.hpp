@@ -1,0 +1,28 @@
+#pragma once
+// Minimal unkeyed BLAKE2b (RFC 7693), incremental. Private to the core: the public concept is the
+// hash chain (hicache/hash_chain.hpp).
+
+#include <cstddef>
+#include <cstdint>
+
+namespace hicache::detail {
+
+class Blake2b {
+ public:
+  /// @param digest_bytes 1..64
+  explicit Blake2b(std::size_t digest_bytes);
+  void update(const void* data, std::size_t n);
+  /// Writes digest_bytes bytes to out. The object must not be updated afterwards.
+  void finish(std::uint8_t* out);
+
+ private:
+  void compress(const std::uint8_t* block, bool last);
+
+  std::uint64_t h_[8];
+  std::uint64_t t_[2] = {0, 0};
+  std::uint8_t buf_[128];
+  std::size_t buf_len_ = 0;
+  std::size_t digest_bytes_;
+};
+
+}  // namespace hicache::detail

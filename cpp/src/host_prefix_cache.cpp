@@ -1,0 +1,489 @@
+#include "hicache/host_prefix_cache.hpp"
+
+#include <algorithm>
+#include <cstdio>
+#include <stdexcept>
+#include <string>
+
+#include "hicache/cpu_copier.hpp"
+#include "hicache/cuda_copier.hpp"
+#include "hicache/error.hpp"
+#include "hicache/hash_chain.hpp"
+
+namespace hicache {
+namespace {
+
+CacheConfig validated(CacheConfig c) {
+  c.validate();
+  return c;
+}
+
+std::shared_ptr<Copier> default_copier(Device device) {
+  if (device.kind == DeviceKind::kCpu) return std::make_shared<CpuCopier>();
+  return make_cuda_copier(device.index);
+}
+
+bool same_tokens(const std::vector<std::int32_t>& a, std::span<const std::int32_t> b) {
+  return a.size() == b.size() && std::equal(a.begin(), a.end(), b.begin());
+}
+
+}  // namespace
+
+HostPrefixCache::HostPrefixCache(std::vector<Segment> segments, Device device, CacheConfig config,
+                                 std::shared_ptr<Copier> copier)
+    : layout_(std::move(segments), device),
+      config_(validated(std::move(config))),
+      copier_(copier ? std::move(copier) : default_copier(device)),
+      pages_(config_.capacity_pages),
+      states_(config_.state_bytes > 0 ? config_.capacity_states : 0) {
+  if (!copier_->supports(device)) {
+    throw std::invalid_argument("the copier cannot reach segments on " + device.str());
+  }
+  auto alloc = copier_->host_allocator();
+  page_pool_ = std::make_unique<HostPool>(layout_.page_bytes(), config_.capacity_pages,
+                                          config_.pool_chunk_bytes, alloc);
+  if (config_.state_bytes > 0) {
+    state_pool_ = std::make_unique<HostPool>(static_cast<std::size_t>(config_.state_bytes),
+                                             config_.capacity_states, config_.pool_chunk_bytes,
+                                             alloc);
+  }
+}
+
+HostPrefixCache::~HostPrefixCache() {
+  std::lock_guard<std::mutex> g(mu_);
+  // Host slots must outlive every copy that reads or writes them.
+  for (Transfer& t : transfers_) {
+    if (t.fence) t.fence->wait();
+  }
+}
+
+// --- bookkeeping -------------------------------------------------------------------------------
+
+std::uint64_t HostPrefixCache::root_serial(std::string_view salt) {
+  auto [it, inserted] = roots_.try_emplace(std::string(salt), 0);
+  if (inserted) it->second = next_serial_++;
+  return it->second;
+}
+
+void HostPrefixCache::note_request(std::string_view request_id) {
+  requests_.try_emplace(std::string(request_id), 0);
+}
+
+void HostPrefixCache::note_error(const std::string& what) {
+  ++stats_.errors;
+  stats_.last_error = what;
+  if (++consecutive_errors_ >= config_.error_limit && !disabled_) {
+    disabled_ = true;
+    stats_.disabled = true;
+    stats_.disabled_reason = "disabled after " + std::to_string(consecutive_errors_) +
+                             " consecutive cache errors; last: " + what;
+    std::fprintf(stderr, "hicache: %s\n", stats_.disabled_reason.c_str());
+  }
+}
+
+void HostPrefixCache::register_transfer(Transfer t, StreamHandle stream, bool failed) {
+  try {
+    t.fence = copier_->record(stream);
+  } catch (const Error& e) {
+    // Without a fence nobody can tell when the enqueued copies finish: the entries stay held so
+    // their slots are never reused under a copy.
+    note_error(e.what());
+    return;
+  }
+  if (failed && t.is_store) t.discard = true;
+  ++requests_[t.request];
+  transfers_.push_back(std::move(t));
+}
+
+void HostPrefixCache::finish(Transfer& t) {
+  auto settle = [&](PrefixIndex& index, std::vector<Entry*>& entries) {
+    for (Entry* e : entries) {
+      index.unpin(e);
+      if (!t.is_store) continue;
+      if (!t.discard) {
+        e->ready = true;
+      } else if (e->refs == 0) {
+        index.erase(e);
+      }
+    }
+  };
+  settle(pages_, t.pages);
+  settle(states_, t.states);
+  auto r = requests_.find(t.request);
+  if (r != requests_.end()) --r->second;
+}
+
+std::int64_t HostPrefixCache::retire_completed() {
+  std::int64_t n = 0;
+  for (auto it = transfers_.begin(); it != transfers_.end();) {
+    bool done = false;
+    try {
+      done = it->fence->done();
+    } catch (const Error& e) {
+      // The device failed the copy: never publish what it stored.
+      note_error(e.what());
+      it->discard = true;
+      done = true;
+    }
+    if (!done) {
+      ++it;
+      continue;
+    }
+    finish(*it);
+    it = transfers_.erase(it);
+    ++n;
+  }
+  return n;
+}
+
+// --- resume ------------------------------------------------------------------------------------
+
+std::int64_t HostPrefixCache::try_resume(std::string_view request_id,
+                                         std::span<const std::int32_t> prompt,
+                                         const AllocateFn& allocate, StreamHandle stream,
+                                         std::optional<DeviceBuffer> state_out,
+                                         std::optional<std::string_view> salt) {
+  if (prompt.empty()) throw std::invalid_argument("try_resume: the prompt is empty");
+  const bool has_state = config_.state_bytes > 0;
+  if (has_state) {
+    if (!state_out) {
+      throw std::invalid_argument("try_resume: this cache stores model state (state_bytes=" +
+                                  std::to_string(config_.state_bytes) + "); pass state_out");
+    }
+    if (state_out->data == nullptr ||
+        state_out->bytes != static_cast<std::size_t>(config_.state_bytes) ||
+        !(state_out->device == layout_.device())) {
+      throw std::invalid_argument("try_resume: state_out must be " +
+                                  std::to_string(config_.state_bytes) + " bytes on " +
+                                  layout_.device().str() + " (got " +
+                                  std::to_string(state_out->bytes) + " bytes on " +
+                                  state_out->device.str() + ")");
+    }
+  }
+  const std::int64_t B = config_.block_tokens;
+  const auto n_prompt = static_cast<std::int64_t>(prompt.size());
+  const std::int64_t max_pages = std::max<std::int64_t>(0, n_prompt - config_.keep_tokens) / B;
+  const std::string_view chain_salt = salt.value_or(std::string_view(config_.salt));
+  const std::vector<Key> keys = chain_keys(chain_salt, prompt, B, max_pages, config_.key_bits);  // outside the lock
+
+  std::unique_lock<std::mutex> lock(mu_);
+  retire_completed();
+  note_request(request_id);
+  ++stats_.lookups;
+  stats_.lookup_tokens += n_prompt;
+  if (disabled_ || keys.empty()) return 0;
+
+  std::vector<Entry*> matched;
+  std::uint64_t parent = root_serial(chain_salt);
+  for (std::size_t i = 0; i < keys.size(); ++i) {
+    Entry* e = pages_.find(keys[i]);
+    const auto page = prompt.subspan(i * static_cast<std::size_t>(B), static_cast<std::size_t>(B));
+    if (e == nullptr || !e->ready || e->parent_serial != parent || !same_tokens(e->tokens, page)) {
+      break;
+    }
+    matched.push_back(e);
+    parent = e->serial;
+  }
+  Entry* state = nullptr;
+  std::size_t h = matched.size();
+  if (has_state) {
+    for (; h > 0; --h) {
+      Entry* s = states_.find(keys[h - 1]);
+      if (s != nullptr && s->ready && s->parent_serial == matched[h - 1]->serial) {
+        state = s;
+        break;
+      }
+    }
+  }
+  if (h == 0) return 0;
+  matched.resize(h);
+
+  // Held across the unlocked allocate call so nothing evicts them meanwhile.
+  for (Entry* e : matched) pages_.pin(e);
+  if (state) states_.pin(state);
+  auto release = [&] {
+    for (Entry* e : matched) pages_.unpin(e);
+    if (state) states_.unpin(state);
+  };
+  const auto tokens = static_cast<std::int64_t>(h) * B;
+  std::optional<std::vector<std::int64_t>> blocks;
+  lock.unlock();
+  try {
+    blocks = allocate(tokens);
+  } catch (...) {
+    lock.lock();
+    release();
+    throw;
+  }
+  lock.lock();
+  if (!blocks) {
+    release();
+    ++stats_.deferred;
+    return -1;
+  }
+  try {
+    if (blocks->size() != h) {
+      throw std::invalid_argument("allocate(" + std::to_string(tokens) + ") returned " +
+                                  std::to_string(blocks->size()) + " block ids; expected " +
+                                  std::to_string(h) + " (one per " + std::to_string(B) +
+                                  "-token page)");
+    }
+    layout_.check_blocks(*blocks, /*require_unique=*/true);
+  } catch (...) {
+    release();
+    throw;
+  }
+  if (disabled_) {
+    release();
+    return 0;
+  }
+
+  Transfer t;
+  t.request = std::string(request_id);
+  t.pages = matched;
+  if (state) t.states.push_back(state);
+  bool failed = false;
+  try {
+    std::vector<PageMove> moves(h);
+    for (std::size_t i = 0; i < h; ++i) moves[i] = {(*blocks)[i], page_pool_->slot(matched[i]->slot)};
+    copier_->copy_pages(Direction::kToDevice, layout_, moves, stream);
+    if (state) {
+      copier_->copy_bytes(Direction::kToDevice, *state_out, state_pool_->slot(state->slot),
+                          stream);
+    }
+  } catch (const Error& e) {
+    note_error(e.what());
+    failed = true;
+  }
+  register_transfer(std::move(t), stream, failed);
+  if (failed) return 0;
+  note_success();
+  for (Entry* e : matched) pages_.touch(e);
+  if (state) states_.touch(state);
+  ++stats_.hits;
+  stats_.hit_tokens += tokens;
+  stats_.pages_loaded += static_cast<std::int64_t>(h);
+  stats_.states_loaded += state ? 1 : 0;
+  return tokens;
+}
+
+// --- store -------------------------------------------------------------------------------------
+
+std::int64_t HostPrefixCache::store(std::string_view request_id,
+                                    std::span<const std::int32_t> tokens,
+                                    std::span<const std::int64_t> block_ids, StreamHandle stream,
+                                    const StateExportFn& state_export,
+                                    std::optional<std::string_view> salt) {
+  const std::int64_t B = config_.block_tokens;
+  const auto n_full = static_cast<std::int64_t>(tokens.size()) / B;
+  if (static_cast<std::int64_t>(block_ids.size()) < n_full) {
+    throw std::invalid_argument("store: " + std::to_string(tokens.size()) + " tokens make " +
+                                std::to_string(n_full) + " full blocks but only " +
+                                std::to_string(block_ids.size()) + " block ids were given");
+  }
+  layout_.check_blocks(block_ids.first(static_cast<std::size_t>(n_full)), false);
+  const std::string_view chain_salt = salt.value_or(std::string_view(config_.salt));
+  const std::vector<Key> keys = chain_keys(chain_salt, tokens, B, INT64_MAX, config_.key_bits);  // outside the lock
+
+  std::unique_lock<std::mutex> lock(mu_);
+  retire_completed();
+  note_request(request_id);
+  if (disabled_) return 0;
+  ++stats_.stores;
+
+  Transfer t;
+  t.request = std::string(request_id);
+  t.is_store = true;
+  std::vector<PageMove> moves;
+  std::vector<Entry*> chain;  // every page of the prompt's chain now in the index
+  std::vector<Entry*> held;   // existing pages pinned while the walk may evict
+  bool skipped = false;
+  std::uint64_t parent = root_serial(chain_salt);
+  for (std::int64_t i = 0; i < n_full; ++i) {
+    const auto page = tokens.subspan(static_cast<std::size_t>(i * B), static_cast<std::size_t>(B));
+    const Key& key = keys[static_cast<std::size_t>(i)];
+    Entry* e = pages_.find(key);
+    if (e != nullptr) {
+      const bool same = same_tokens(e->tokens, page);
+      if (same && e->parent_serial == parent) {
+        pages_.pin(e);
+        held.push_back(e);
+        chain.push_back(e);
+        parent = e->serial;
+        continue;
+      }
+      if (!same) {
+        ++stats_.collisions;  // another prefix owns this key: never overwrite it
+        skipped = true;
+        break;
+      }
+      if (e->refs != 0) {
+        skipped = true;
+        break;
+      }
+      pages_.erase(e);  // stale: stored under a parent that has since been evicted
+    }
+    e = pages_.insert(key, next_serial_++, parent);
+    if (e == nullptr) {
+      skipped = true;
+      break;
+    }
+    std::byte* host = nullptr;
+    try {
+      host = page_pool_->slot(e->slot);
+    } catch (const Error& err) {
+      note_error(err.what());
+      pages_.unpin(e);
+      pages_.erase(e);
+      skipped = true;
+      break;
+    }
+    e->parent_key = i > 0 ? keys[static_cast<std::size_t>(i - 1)] : Key{};
+    e->tokens.assign(page.begin(), page.end());
+    moves.push_back({block_ids[static_cast<std::size_t>(i)], host});
+    t.pages.push_back(e);
+    chain.push_back(e);
+    parent = e->serial;
+  }
+
+  const auto new_pages = static_cast<std::int64_t>(moves.size());
+  if (!moves.empty()) {
+    bool failed = false;
+    try {
+      copier_->copy_pages(Direction::kToHost, layout_, moves, stream);
+    } catch (const Error& err) {
+      note_error(err.what());
+      failed = true;
+    }
+    register_transfer(std::move(t), stream, failed);
+    if (failed) {
+      for (Entry* e : held) pages_.unpin(e);
+      return 0;
+    }
+    note_success();
+  }
+  for (Entry* e : held) pages_.unpin(e);
+  for (Entry* e : chain) pages_.touch(e);
+  stats_.pages_stored += new_pages;
+
+  if (config_.state_bytes > 0 && state_export) {
+    // Serials, not pointers: store_state unlocks while the engine exports.
+    std::vector<std::uint64_t> serials;
+    serials.reserve(chain.size());
+    for (Entry* e : chain) serials.push_back(e->serial);
+    for (std::int64_t j = 0; j < config_.state_lookback; ++j) {
+      const std::int64_t idx = n_full - 1 - j;
+      if (idx < 0) break;
+      if (idx >= static_cast<std::int64_t>(serials.size())) continue;  // its page is not cached
+      const auto u = static_cast<std::size_t>(idx);
+      if (!store_state(request_id, keys[u], serials[u], (idx + 1) * B, stream, state_export,
+                       lock)) {
+        skipped = true;
+      }
+    }
+  }
+  if (skipped) ++stats_.store_skips;
+  return new_pages;
+}
+
+bool HostPrefixCache::store_state(std::string_view request_id, const Key& key,
+                                  std::uint64_t page_serial, std::int64_t position,
+                                  StreamHandle stream, const StateExportFn& state_export,
+                                  std::unique_lock<std::mutex>& lock) {
+  if (Entry* s = states_.find(key); s != nullptr && s->parent_serial == page_serial) {
+    states_.touch(s);
+    return true;
+  }
+  std::optional<DeviceBuffer> buf;
+  lock.unlock();
+  try {
+    buf = state_export(position);
+  } catch (...) {
+    lock.lock();
+    throw;
+  }
+  lock.lock();
+  if (!buf) return true;  // the engine's state ring no longer reaches this position
+  if (buf->data == nullptr || buf->bytes != static_cast<std::size_t>(config_.state_bytes) ||
+      !(buf->device == layout_.device())) {
+    throw std::invalid_argument("state_export(" + std::to_string(position) + ") must return " +
+                                std::to_string(config_.state_bytes) + " bytes on " +
+                                layout_.device().str() + " (got " + std::to_string(buf->bytes) +
+                                " bytes on " + buf->device.str() + ")");
+  }
+  if (disabled_) return true;
+  if (Entry* s = states_.find(key); s != nullptr) {  // again: the lock was released
+    if (s->parent_serial == page_serial) {
+      states_.touch(s);
+      return true;
+    }
+    if (s->refs != 0) return false;
+    states_.erase(s);  // stale: belongs to a page that was evicted
+  }
+  Entry* e = states_.insert(key, next_serial_++, page_serial);
+  if (e == nullptr) return false;
+  Transfer t;
+  t.request = std::string(request_id);
+  t.is_store = true;
+  t.states.push_back(e);
+  bool failed = false;
+  try {
+    copier_->copy_bytes(Direction::kToHost, *buf, state_pool_->slot(e->slot), stream);
+  } catch (const Error& err) {
+    note_error(err.what());
+    failed = true;
+  }
+  register_transfer(std::move(t), stream, failed);
+  if (failed) return false;
+  note_success();
+  ++stats_.states_stored;
+  return true;
+}
+
+// --- poll, forget, stats -----------------------------------------------------------------------
+
+std::int64_t HostPrefixCache::poll() {
+  std::lock_guard<std::mutex> g(mu_);
+  return retire_completed();
+}
+
+void HostPrefixCache::forget(std::string_view request_id) {
+  std::lock_guard<std::mutex> g(mu_);
+  retire_completed();
+  auto it = requests_.find(std::string(request_id));
+  if (it == requests_.end()) {
+    throw UnknownRequest("unknown request '" + std::string(request_id) +
+                         "': never seen by try_resume/store, or already forgotten");
+  }
+  for (Transfer& t : transfers_) {
+    if (t.is_store && t.request == request_id) t.discard = true;
+  }
+  requests_.erase(it);
+}
+
+CacheStats HostPrefixCache::stats() const {
+  std::lock_guard<std::mutex> g(mu_);
+  CacheStats s = stats_;
+  s.pages_evicted = pages_.evictions();
+  s.states_evicted = states_.evictions();
+  s.transfers_in_flight = static_cast<std::int64_t>(transfers_.size());
+  s.pages_used = pages_.size();
+  s.pages_capacity = pages_.capacity();
+  s.pages_busy = pages_.busy();
+  s.states_used = states_.size();
+  s.states_capacity = states_.capacity();
+  s.states_busy = states_.busy();
+  s.host_bytes = static_cast<std::int64_t>(page_pool_->allocated_bytes() +
+                                           (state_pool_ ? state_pool_->allocated_bytes() : 0));
+  s.requests = static_cast<std::int64_t>(requests_.size());
+  return s;
+}
+
+std::vector<Key> HostPrefixCache::page_lru_order() const {
+  std::lock_guard<std::mutex> g(mu_);
+  std::vector<Key> out;
+  for (const Entry* e : pages_.lru_order()) out.push_back(e->key);
+  return out;
+}
+
+}  // namespace hicache

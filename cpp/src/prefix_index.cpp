@@ -1,0 +1,93 @@
+#include "hicache/prefix_index.hpp"
+
+#include <stdexcept>
+
+namespace hicache {
+
+PrefixIndex::PrefixIndex(std::int64_t capacity) : capacity_(capacity) {
+  if (capacity < 0) throw std::invalid_argument("index capacity must be >= 0");
+  map_.reserve(static_cast<std::size_t>(capacity));
+}
+
+Entry* PrefixIndex::find(const Key& key) {
+  auto it = map_.find(key);
+  return it == map_.end() ? nullptr : &it->second;
+}
+
+std::int64_t PrefixIndex::take_slot() {
+  if (!free_slots_.empty()) {
+    const std::int64_t s = free_slots_.back();
+    free_slots_.pop_back();
+    return s;
+  }
+  if (next_unused_slot_ < capacity_) return next_unused_slot_++;
+  for (Entry* e = lru_head_; e != nullptr; e = e->lru_next) {
+    if (e->refs == 0) {
+      const std::int64_t s = e->slot;
+      unlink(e);
+      map_.erase(e->key);
+      ++evictions_;
+      return s;
+    }
+  }
+  return -1;
+}
+
+Entry* PrefixIndex::insert(const Key& key, std::uint64_t serial, std::uint64_t parent_serial) {
+  if (map_.count(key) != 0) throw std::logic_error("PrefixIndex::insert: key already present");
+  const std::int64_t slot = take_slot();
+  if (slot < 0) return nullptr;
+  Entry& e = map_[key];
+  e.key = key;
+  e.serial = serial;
+  e.parent_serial = parent_serial;
+  e.slot = slot;
+  e.refs = 1;
+  ++busy_;
+  e.ready = false;
+  link_mru(&e);
+  return &e;
+}
+
+void PrefixIndex::erase(Entry* e) {
+  if (e->refs != 0) throw std::logic_error("PrefixIndex::erase: entry is held by a transfer");
+  free_slots_.push_back(e->slot);
+  unlink(e);
+  map_.erase(e->key);
+}
+
+void PrefixIndex::unpin(Entry* e) {
+  if (e->refs <= 0) throw std::logic_error("PrefixIndex::unpin: entry is not held");
+  if (--e->refs == 0) --busy_;
+}
+
+void PrefixIndex::touch(Entry* e) {
+  if (e == lru_tail_) return;
+  unlink(e);
+  link_mru(e);
+}
+
+std::vector<const Entry*> PrefixIndex::lru_order() const {
+  std::vector<const Entry*> out;
+  out.reserve(map_.size());
+  for (const Entry* e = lru_head_; e != nullptr; e = e->lru_next) out.push_back(e);
+  return out;
+}
+
+void PrefixIndex::link_mru(Entry* e) {
+  e->lru_prev = lru_tail_;
+  e->lru_next = nullptr;
+  if (lru_tail_ != nullptr) lru_tail_->lru_next = e;
+  lru_tail_ = e;
+  if (lru_head_ == nullptr) lru_head_ = e;
+}
+
+void PrefixIndex::unlink(Entry* e) {
+  if (e->lru_prev != nullptr) e->lru_prev->lru_next = e->lru_next;
+  if (e->lru_next != nullptr) e->lru_next->lru_prev = e->lru_prev;
+  if (lru_head_ == e) lru_head_ = e->lru_next;
+  if (lru_tail_ == e) lru_tail_ = e->lru_prev;
+  e->lru_prev = e->lru_next = nullptr;
+}
+
+}  // namespace hicache

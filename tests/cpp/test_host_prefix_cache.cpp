@@ -1,0 +1,490 @@
+// HostPrefixCache on CPU segments: round trips, the resume policy, eviction, failure isolation,
+// bounds checks and threads.
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <cstring>
+#include <random>
+#include <thread>
+
+#include "hicache/hicache.hpp"
+
+namespace {
+
+using hicache::CacheConfig;
+using hicache::HostPrefixCache;
+
+// Plays the engine: KV segments in CPU memory, with padding between blocks and canary bytes
+// after the last block so out-of-bounds writes are visible.
+class FakeEngine {
+ public:
+  static constexpr std::byte kCanary{0xA5};
+
+  FakeEngine(std::int64_t num_blocks, std::vector<std::int64_t> block_bytes, std::int64_t pad = 0)
+      : num_blocks_(num_blocks) {
+    for (std::int64_t bytes : block_bytes) {
+      const std::int64_t stride = bytes + pad;
+      mem_.emplace_back(static_cast<std::size_t>(stride * num_blocks + kGuard), kCanary);
+      segments_.push_back({mem_.back().data(), num_blocks, stride, bytes});
+    }
+  }
+  const std::vector<hicache::Segment>& segments() const { return segments_; }
+  std::int64_t page_bytes() const {
+    std::int64_t n = 0;
+    for (const auto& s : segments_) n += s.block_bytes;
+    return n;
+  }
+  void fill(std::int64_t block, std::uint32_t seed) {
+    std::mt19937 rng(seed);
+    for (const auto& s : segments_) {
+      auto* p = static_cast<std::uint8_t*>(s.base) + block * s.block_stride;
+      for (std::int64_t i = 0; i < s.block_bytes; ++i) p[i] = static_cast<std::uint8_t>(rng());
+    }
+  }
+  void clear(std::int64_t block) {
+    for (const auto& s : segments_) {
+      std::memset(static_cast<std::byte*>(s.base) + block * s.block_stride, 0,
+                  static_cast<std::size_t>(s.block_bytes));
+    }
+  }
+  std::vector<std::uint8_t> page(std::int64_t block) const {
+    std::vector<std::uint8_t> out;
+    for (const auto& s : segments_) {
+      const auto* p = static_cast<const std::uint8_t*>(s.base) + block * s.block_stride;
+      out.insert(out.end(), p, p + s.block_bytes);
+    }
+    return out;
+  }
+  bool canaries_intact() const {
+    for (std::size_t i = 0; i < mem_.size(); ++i) {
+      const auto& s = segments_[i];
+      for (std::int64_t b = 0; b < num_blocks_; ++b) {
+        for (std::int64_t j = s.block_bytes; j < s.block_stride; ++j) {
+          if (mem_[i][static_cast<std::size_t>(b * s.block_stride + j)] != kCanary) return false;
+        }
+      }
+      for (std::size_t j = mem_[i].size() - kGuard; j < mem_[i].size(); ++j) {
+        if (mem_[i][j] != kCanary) return false;
+      }
+    }
+    return true;
+  }
+
+ private:
+  static constexpr std::int64_t kGuard = 64;
+  std::int64_t num_blocks_;
+  std::vector<std::vector<std::byte>> mem_;
+  std::vector<hicache::Segment> segments_;
+};
+
+std::vector<std::int32_t> tokens(std::size_t n, std::int32_t start = 0) {
+  std::vector<std::int32_t> t(n);
+  for (std::size_t i = 0; i < n; ++i) t[i] = start + static_cast<std::int32_t>(i);
+  return t;
+}
+
+std::vector<std::int64_t> ids(std::int64_t first, std::int64_t n) {
+  std::vector<std::int64_t> v;
+  for (std::int64_t i = 0; i < n; ++i) v.push_back(first + i);
+  return v;
+}
+
+HostPrefixCache::AllocateFn give(std::vector<std::int64_t> blocks) {
+  return [blocks](std::int64_t n_tokens) -> std::optional<std::vector<std::int64_t>> {
+    return std::vector<std::int64_t>(blocks.begin(), blocks.begin() + n_tokens / 16);
+  };
+}
+
+CacheConfig small_config(std::int64_t pages) {
+  CacheConfig c;
+  c.block_tokens = 16;
+  c.capacity_pages = pages;
+  return c;
+}
+
+void round_trip(FakeEngine& eng) {
+  HostPrefixCache cache(eng.segments(), {}, small_config(8));
+  for (std::int64_t b = 0; b < 4; ++b) eng.fill(b, static_cast<std::uint32_t>(100 + b));
+  std::vector<std::vector<std::uint8_t>> before;
+  for (std::int64_t b = 0; b < 4; ++b) before.push_back(eng.page(b));
+  const auto prompt = tokens(4 * 16 + 3);
+  EXPECT_EQ(cache.store("r1", prompt, ids(0, 5)), 4);
+  cache.poll();
+  for (std::int64_t b = 4; b < 8; ++b) eng.clear(b);
+  EXPECT_EQ(cache.try_resume("r2", prompt, give(ids(4, 4))), 64);
+  for (std::int64_t b = 0; b < 4; ++b) EXPECT_EQ(eng.page(4 + b), before[static_cast<std::size_t>(b)]);
+  EXPECT_TRUE(eng.canaries_intact());
+}
+
+}  // namespace
+
+TEST(HostPrefixCache, PageMajorBytesRoundTripExactly) {
+  FakeEngine eng(8, {4096});
+  round_trip(eng);
+}
+
+TEST(HostPrefixCache, LayerMajorFourSegmentsWithPaddedStridesRoundTripExactly) {
+  FakeEngine eng(8, {512, 512, 96, 1040}, /*pad=*/48);
+  round_trip(eng);
+}
+
+TEST(HostPrefixCache, KeepTokensCapLeavesTheTailToCompute) {
+  FakeEngine eng(8, {64});
+  CacheConfig c = small_config(8);
+  c.keep_tokens = 1;
+  HostPrefixCache cache(eng.segments(), {}, c);
+  cache.store("a", tokens(48), ids(0, 3));
+  // Exactly three full blocks: the last token must be computed, so only two pages may be used.
+  EXPECT_EQ(cache.try_resume("b", tokens(48), give(ids(3, 3))), 32);
+  EXPECT_EQ(cache.try_resume("c", tokens(49), give(ids(3, 3))), 48);
+
+  c.keep_tokens = 20;
+  HostPrefixCache cache2(eng.segments(), {}, c);
+  cache2.store("a", tokens(48), ids(0, 3));
+  EXPECT_EQ(cache2.try_resume("b", tokens(49), give(ids(3, 3))), 16);  // 49 - 20 = 29 -> 1 page
+  EXPECT_EQ(cache2.try_resume("c", tokens(20), give(ids(3, 3))), 0);
+}
+
+TEST(HostPrefixCache, StatesAreStoredAtTheLastBoundariesAndResumeSnapsToOne) {
+  FakeEngine eng(16, {64});
+  CacheConfig c = small_config(16);
+  c.state_bytes = 24;
+  c.capacity_states = 8;
+  c.state_lookback = 2;
+  HostPrefixCache cache(eng.segments(), {}, c);
+  std::vector<std::uint8_t> staging(24);
+  std::vector<std::int64_t> asked;
+  auto exporter = [&](std::int64_t pos) -> std::optional<hicache::DeviceBuffer> {
+    asked.push_back(pos);
+    std::fill(staging.begin(), staging.end(), static_cast<std::uint8_t>(pos));
+    return hicache::DeviceBuffer{staging.data(), staging.size(), {}};
+  };
+  const auto prompt = tokens(5 * 16 + 7);
+  cache.store("a", prompt, ids(0, 6), nullptr, exporter);
+  EXPECT_EQ(asked, (std::vector<std::int64_t>{80, 64}));  // last two boundaries, latest first
+  EXPECT_EQ(cache.stats().states_stored, 2);
+
+  std::vector<std::uint8_t> out(24, 0);
+  hicache::DeviceBuffer out_buf{out.data(), out.size(), {}};
+  // Full prompt: 5 pages match, a state exists at 80.
+  EXPECT_EQ(cache.try_resume("b", prompt, give(ids(8, 5)), nullptr, out_buf), 80);
+  EXPECT_EQ(out[0], 80);
+  // A prompt diverging in page 4 matches 4 pages (64 tokens): state at 64 exists.
+  auto other = prompt;
+  other[4 * 16 + 2] = -1;
+  EXPECT_EQ(cache.try_resume("c", other, give(ids(8, 5)), nullptr, out_buf), 64);
+  EXPECT_EQ(out[0], 64);
+  // Diverging in page 3: 3 pages match but no state at 48, 32 or 16: a miss.
+  other[3 * 16] = -1;
+  EXPECT_EQ(cache.try_resume("d", other, give(ids(8, 5)), nullptr, out_buf), 0);
+  // Without state_out the call is malformed.
+  EXPECT_THROW(cache.try_resume("e", prompt, give(ids(8, 5))), std::invalid_argument);
+  // A second store asks only for what is missing.
+  asked.clear();
+  cache.store("f", prompt, ids(0, 6), nullptr, exporter);
+  EXPECT_TRUE(asked.empty());
+}
+
+TEST(HostPrefixCache, StateExportReturningNothingSkipsThatBoundary) {
+  FakeEngine eng(8, {64});
+  CacheConfig c = small_config(8);
+  c.state_bytes = 8;
+  c.capacity_states = 4;
+  c.state_lookback = 3;
+  HostPrefixCache cache(eng.segments(), {}, c);
+  std::vector<std::uint8_t> staging(8, 7);
+  auto exporter = [&](std::int64_t pos) -> std::optional<hicache::DeviceBuffer> {
+    if (pos < 48) return std::nullopt;  // the engine's ring reaches back only so far
+    return hicache::DeviceBuffer{staging.data(), staging.size(), {}};
+  };
+  cache.store("a", tokens(3 * 16 + 1), ids(0, 4), nullptr, exporter);
+  EXPECT_EQ(cache.stats().states_stored, 1);
+}
+
+TEST(HostPrefixCache, DeferredAllocationReturnsMinusOneAndReleasesThePages) {
+  FakeEngine eng(4, {64});
+  HostPrefixCache cache(eng.segments(), {}, small_config(2));
+  cache.store("a", tokens(33), ids(0, 3));
+  auto refuse = [](std::int64_t) -> std::optional<std::vector<std::int64_t>> {
+    return std::nullopt;
+  };
+  EXPECT_EQ(cache.try_resume("b", tokens(33), refuse), -1);
+  auto s = cache.stats();
+  EXPECT_EQ(s.deferred, 1);
+  EXPECT_EQ(s.hits, 0);
+  EXPECT_EQ(s.pages_busy, 0);  // nothing stays held after a deferral
+  EXPECT_EQ(cache.try_resume("b", tokens(33), give(ids(2, 2))), 32);
+}
+
+TEST(HostPrefixCache, InFlightEntriesAreNeitherHitNorEvictedUntilTheirCopyCompletes) {
+  FakeEngine eng(8, {64});
+  auto copier = std::make_shared<hicache::DeferredCopier>();
+  HostPrefixCache cache(eng.segments(), {}, small_config(2), copier);
+  for (std::int64_t b = 0; b < 8; ++b) eng.fill(b, static_cast<std::uint32_t>(b));
+  const auto a = tokens(33), b = tokens(33, 1000);
+  EXPECT_EQ(cache.store("a", a, ids(0, 2)), 2);
+  // Invariant 1: not hit-able before the device-to-host copy completed.
+  EXPECT_EQ(cache.try_resume("x", a, give(ids(4, 2))), 0);
+  // Invariant 2: both slots are held, so a second store cannot evict them.
+  EXPECT_EQ(cache.store("b", b, ids(2, 2)), 0);
+  EXPECT_EQ(cache.stats().store_skips, 1);
+  copier->complete();
+  EXPECT_EQ(cache.poll(), 1);
+  // A load in flight holds its pages too.
+  EXPECT_EQ(cache.try_resume("y", a, give(ids(4, 2))), 32);
+  EXPECT_EQ(cache.store("b", b, ids(2, 2)), 0);
+  copier->complete();
+  cache.poll();
+  EXPECT_EQ(eng.page(4), eng.page(0));
+  EXPECT_EQ(eng.page(5), eng.page(1));
+  // Now idle: LRU eviction makes room.
+  EXPECT_EQ(cache.store("b", b, ids(2, 2)), 2);
+  EXPECT_EQ(cache.stats().pages_evicted, 2);
+}
+
+TEST(HostPrefixCache, LruEvictsTheLeastRecentlyUsedChain) {
+  FakeEngine eng(8, {64});
+  HostPrefixCache cache(eng.segments(), {}, small_config(4));
+  const auto a = tokens(33), b = tokens(33, 500), c = tokens(33, 900);
+  cache.store("a", a, ids(0, 2));
+  cache.store("b", b, ids(2, 2));
+  EXPECT_EQ(cache.try_resume("a2", a, give(ids(4, 2))), 32);  // a is now most recent
+  cache.store("c", c, ids(4, 2));                            // evicts b
+  EXPECT_EQ(cache.try_resume("b2", b, give(ids(6, 2))), 0);
+  EXPECT_EQ(cache.try_resume("a3", a, give(ids(6, 2))), 32);
+  EXPECT_EQ(cache.try_resume("c2", c, give(ids(6, 2))), 32);
+}
+
+TEST(HostPrefixCache, StaleChildOfAReplacedParentIsNotServedThenReplaced) {
+  FakeEngine eng(16, {64});
+  auto copier = std::make_shared<hicache::DeferredCopier>();
+  HostPrefixCache cache(eng.segments(), {}, small_config(4), copier);
+  auto* s1 = reinterpret_cast<hicache::StreamHandle>(1);
+  auto* s2 = reinterpret_cast<hicache::StreamHandle>(2);
+  const auto ab = tokens(33);  // pages a, b
+  const auto a = std::vector<std::int32_t>(ab.begin(), ab.begin() + 17);
+  auto store_now = [&](const char* id, const std::vector<std::int32_t>& t, std::int64_t block) {
+    cache.store(id, t, ids(block, 2), s2);
+    copier->complete(s2);
+  };
+  cache.store("1", a, ids(0, 2), s1);
+  copier->complete(s1);
+  cache.store("2", ab, ids(0, 2), s1);  // b's copy stays in flight on s1
+  store_now("3", tokens(17, 500), 2);   // x
+  store_now("4", tokens(17, 600), 3);   // y: the pool is full
+  store_now("5", tokens(17, 700), 4);   // evicts a (b is held)
+  store_now("6", a, 5);                 // a again, with a new serial; evicts x
+  copier->complete(s1);                 // b lands, linked to the old a
+  // b is present with the right tokens, but its parent is the old a: only a is served.
+  EXPECT_EQ(cache.try_resume("7", ab, give(ids(8, 2))), 16);
+  cache.store("8", ab, ids(0, 2));  // replaces the stale b
+  copier->complete();
+  EXPECT_EQ(cache.try_resume("9", ab, give(ids(8, 2))), 32);
+}
+
+TEST(HostPrefixCache, CollidingKeysNeverServeAnotherPrefix) {
+  FakeEngine eng(64, {64});
+  CacheConfig c = small_config(32);
+  c.key_bits = 2;  // four possible keys: collisions everywhere
+  HostPrefixCache cache(eng.segments(), {}, c);
+  std::mt19937 rng(7);
+  // Every block holds bytes derived from its whole prefix; a wrong page would show.
+  auto prefix_seed = [](const std::vector<std::int32_t>& t, std::size_t end) {
+    std::uint32_t h = 2166136261u;
+    for (std::size_t i = 0; i < end; ++i) h = (h ^ static_cast<std::uint32_t>(t[i])) * 16777619u;
+    return h;
+  };
+  int hits = 0;
+  for (int round = 0; round < 400; ++round) {
+    // Three candidate pages at each position: prefixes repeat (real hits) and, with two-bit
+    // keys, different pages share keys all the time.
+    std::vector<std::int32_t> t(16 * 3 + 1, 0);
+    for (std::size_t p = 0; p < 3; ++p) {
+      const auto choice = static_cast<std::int32_t>(rng() % 3);
+      for (std::size_t i = 0; i < 16; ++i) t[p * 16 + i] = choice * 7 + static_cast<std::int32_t>(i % 2);
+    }
+    for (std::int64_t p = 0; p < 3; ++p) eng.fill(p, prefix_seed(t, static_cast<std::size_t>(16 * (p + 1))));
+    const std::int64_t got = cache.try_resume("r", t, give(ids(10, 3)));
+    for (std::int64_t p = 0; p < got / 16; ++p) {
+      ASSERT_EQ(eng.page(10 + p), eng.page(p)) << "round " << round << " page " << p;
+    }
+    hits += got > 0;
+    cache.store("r", t, ids(0, 4));
+  }
+  EXPECT_GT(hits, 0);
+  EXPECT_GT(cache.stats().collisions, 0);
+}
+
+TEST(HostPrefixCache, SaltsSeparateTenants) {
+  FakeEngine eng(8, {64});
+  HostPrefixCache cache(eng.segments(), {}, small_config(8));
+  const auto t = tokens(33);
+  cache.store("a", t, ids(0, 2), nullptr, {}, "tenant-a");
+  EXPECT_EQ(cache.try_resume("b", t, give(ids(4, 2)), nullptr, std::nullopt, "tenant-b"), 0);
+  EXPECT_EQ(cache.try_resume("c", t, give(ids(4, 2))), 0);  // default salt "" differs too
+  EXPECT_EQ(cache.try_resume("d", t, give(ids(4, 2)), nullptr, std::nullopt, "tenant-a"), 32);
+}
+
+TEST(HostPrefixCache, BadBlockIdsThrowAndWriteNothing) {
+  FakeEngine eng(4, {64}, 16);
+  HostPrefixCache cache(eng.segments(), {}, small_config(4));
+  const auto t = tokens(33);
+  EXPECT_THROW(cache.store("a", t, std::vector<std::int64_t>{0, 4}), std::out_of_range);
+  EXPECT_THROW(cache.store("a", t, std::vector<std::int64_t>{-1, 0}), std::out_of_range);
+  EXPECT_THROW(cache.store("a", t, std::vector<std::int64_t>{0}), std::invalid_argument);
+  EXPECT_EQ(cache.stats().pages_used, 0);
+  cache.store("a", t, ids(0, 2));
+  auto bad = [](std::vector<std::int64_t> v) {
+    return [v](std::int64_t) -> std::optional<std::vector<std::int64_t>> { return v; };
+  };
+  eng.fill(2, 1);
+  eng.fill(3, 2);
+  const auto p2 = eng.page(2), p3 = eng.page(3);
+  EXPECT_THROW(cache.try_resume("b", t, bad({2, 4})), std::out_of_range);
+  EXPECT_THROW(cache.try_resume("b", t, bad({2, 2})), std::invalid_argument);
+  EXPECT_THROW(cache.try_resume("b", t, bad({2})), std::invalid_argument);
+  EXPECT_EQ(eng.page(2), p2);
+  EXPECT_EQ(eng.page(3), p3);
+  EXPECT_TRUE(eng.canaries_intact());
+  EXPECT_EQ(cache.stats().pages_busy, 0);
+  EXPECT_THROW(cache.try_resume("b", std::vector<std::int32_t>{}, bad({})), std::invalid_argument);
+}
+
+TEST(HostPrefixCache, BadLayoutsAndConfigsAreRejected) {
+  FakeEngine eng(4, {64});
+  CacheConfig c = small_config(4);
+  auto segs = eng.segments();
+  segs[0].block_stride = 32;
+  EXPECT_THROW(HostPrefixCache(segs, {}, c), std::invalid_argument);
+  EXPECT_THROW(HostPrefixCache({}, {}, c), std::invalid_argument);
+  c.keep_tokens = 0;
+  EXPECT_THROW(HostPrefixCache(eng.segments(), {}, c), std::invalid_argument);
+  c = small_config(0);
+  EXPECT_THROW(HostPrefixCache(eng.segments(), {}, c), std::invalid_argument);
+  c = small_config(4);
+  c.state_bytes = 8;  // and no state slots
+  EXPECT_THROW(HostPrefixCache(eng.segments(), {}, c), std::invalid_argument);
+  hicache::Device cuda{hicache::DeviceKind::kCuda, 0};
+  if (!hicache::cuda_available()) {
+    EXPECT_THROW(HostPrefixCache(eng.segments(), cuda, small_config(4)), std::invalid_argument);
+  }
+}
+
+TEST(HostPrefixCache, ForgetDiscardsUnfinishedStoresAndRejectsUnknownIds) {
+  FakeEngine eng(8, {64});
+  auto copier = std::make_shared<hicache::DeferredCopier>();
+  HostPrefixCache cache(eng.segments(), {}, small_config(4), copier);
+  const auto t = tokens(33);
+  cache.store("a", t, ids(0, 2));
+  cache.forget("a");  // aborted before the copy ran: its blocks may be reused
+  EXPECT_EQ(cache.stats().pages_busy, 2);  // slots still held by the copy in flight
+  copier->complete();
+  cache.poll();
+  auto s = cache.stats();
+  EXPECT_EQ(s.pages_used, 0);
+  EXPECT_EQ(s.pages_busy, 0);
+  EXPECT_EQ(cache.try_resume("b", t, give(ids(4, 2))), 0);
+  EXPECT_THROW(cache.forget("a"), hicache::UnknownRequest);
+  EXPECT_THROW(cache.forget("never"), hicache::UnknownRequest);
+  // Once completed, a forgotten request's stores stay.
+  cache.store("c", t, ids(0, 2));
+  copier->complete();
+  cache.forget("c");
+  EXPECT_EQ(cache.try_resume("d", t, give(ids(4, 2))), 32);
+}
+
+namespace {
+
+// Fails every copy while `fail` is set.
+class FlakyCopier : public hicache::CpuCopier {
+ public:
+  void copy_pages(hicache::Direction d, const hicache::PageLayout& l,
+                  std::span<const hicache::PageMove> m, hicache::StreamHandle s) override {
+    if (fail) throw hicache::Error("planned copy failure");
+    CpuCopier::copy_pages(d, l, m, s);
+  }
+  std::atomic<bool> fail{false};
+};
+
+}  // namespace
+
+TEST(HostPrefixCache, CopyFailuresDegradeToMissesThenDisableTheCache) {
+  FakeEngine eng(8, {64});
+  auto copier = std::make_shared<FlakyCopier>();
+  CacheConfig c = small_config(8);
+  c.error_limit = 3;
+  HostPrefixCache cache(eng.segments(), {}, c, copier);
+  const auto t = tokens(33);
+  cache.store("a", t, ids(0, 2));
+  copier->fail = true;
+  EXPECT_EQ(cache.try_resume("b", t, give(ids(4, 2))), 0);  // no exception: a miss
+  EXPECT_EQ(cache.store("c", tokens(33, 100), ids(2, 2)), 0);
+  auto s = cache.stats();
+  EXPECT_EQ(s.errors, 2);
+  EXPECT_FALSE(s.disabled);
+  cache.poll();  // a failed copy holds its slots until its fence says the stream passed it
+  s = cache.stats();
+  EXPECT_EQ(s.pages_busy, 0);
+  EXPECT_EQ(s.pages_used, 2);  // the failed store left nothing behind
+  copier->fail = false;
+  EXPECT_EQ(cache.try_resume("d", t, give(ids(4, 2))), 32);  // recovered
+  copier->fail = true;
+  for (int i = 0; i < 3; ++i) cache.try_resume("e", t, give(ids(4, 2)));
+  s = cache.stats();
+  EXPECT_TRUE(s.disabled);
+  EXPECT_NE(s.disabled_reason.find("planned copy failure"), std::string::npos);
+  copier->fail = false;
+  EXPECT_EQ(cache.try_resume("f", t, give(ids(4, 2))), 0);  // stays off
+}
+
+TEST(HostPrefixCache, PoolAllocationFailureSkipsTheStore) {
+  class NoMemory : public hicache::HostAllocator {
+   public:
+    void* allocate(std::size_t) override { throw hicache::Error("no pinned memory left"); }
+    void deallocate(void*, std::size_t) noexcept override {}
+    const char* name() const override { return "none"; }
+  };
+  FakeEngine eng(8, {64});
+  auto copier = std::make_shared<hicache::CpuCopier>(std::make_shared<NoMemory>());
+  HostPrefixCache cache(eng.segments(), {}, small_config(8), copier);
+  EXPECT_EQ(cache.store("a", tokens(33), ids(0, 2)), 0);
+  auto s = cache.stats();
+  EXPECT_EQ(s.errors, 1);
+  EXPECT_EQ(s.pages_used, 0);
+  EXPECT_EQ(s.last_error, "no pinned memory left");
+}
+
+TEST(HostPrefixCache, ConcurrentCallsFromSeveralThreadsStayConsistent) {
+  FakeEngine eng(256, {128});
+  HostPrefixCache cache(eng.segments(), {}, small_config(24));
+  for (std::int64_t b = 0; b < 256; ++b) eng.fill(b, static_cast<std::uint32_t>(b % 8));
+  std::atomic<int> bad{0};
+  std::vector<std::thread> threads;
+  for (int th = 0; th < 4; ++th) {
+    threads.emplace_back([&, th] {
+      std::mt19937 rng(static_cast<std::uint32_t>(th));
+      const std::int64_t base = 64 * th;  // each thread owns 64 blocks
+      for (int i = 0; i < 400; ++i) {
+        const int conv = static_cast<int>(rng() % 8);
+        const auto t = tokens(16 * 3 + 1, conv * 1000);
+        // Blocks 0..2 of conversation `conv` hold pattern `conv` in every thread's range.
+        for (std::int64_t p = 0; p < 3; ++p) eng.fill(base + p, static_cast<std::uint32_t>(conv * 10 + p));
+        const std::string id = std::to_string(th) + ":" + std::to_string(i);
+        const std::int64_t got = cache.try_resume(id, t, give(ids(base + 10, 3)));
+        for (std::int64_t p = 0; p < got / 16; ++p) {
+          if (eng.page(base + 10 + p) != eng.page(base + p)) ++bad;
+        }
+        cache.store(id, t, ids(base, 4));
+        cache.poll();
+        cache.forget(id);
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  EXPECT_EQ(bad.load(), 0);
+  auto s = cache.stats();
+  EXPECT_EQ(s.lookups, 1600);
+  EXPECT_GT(s.hits, 0);
+  EXPECT_EQ(s.pages_busy, 0);
+  EXPECT_EQ(s.requests, 0);
+}

@@ -1,0 +1,75 @@
+#include <gtest/gtest.h>
+
+#include "hicache/prefix_index.hpp"
+
+namespace {
+
+hicache::Key key(int i) {
+  hicache::Key k;
+  k.bytes[0] = static_cast<std::uint8_t>(i);
+  k.bytes[1] = static_cast<std::uint8_t>(i >> 8);
+  return k;
+}
+
+hicache::Entry* add_ready(hicache::PrefixIndex& idx, int i) {
+  hicache::Entry* e = idx.insert(key(i), static_cast<std::uint64_t>(i + 1), 0);
+  if (e) {
+    idx.unpin(e);
+    e->ready = true;
+  }
+  return e;
+}
+
+}  // namespace
+
+TEST(PrefixIndex, EvictsLeastRecentlyUsedIdleEntryAndReusesItsSlot) {
+  hicache::PrefixIndex idx(3);
+  for (int i = 0; i < 3; ++i) ASSERT_NE(add_ready(idx, i), nullptr);
+  idx.touch(idx.find(key(0)));  // order now 1, 2, 0
+  const std::int64_t slot1 = idx.find(key(1))->slot;
+  hicache::Entry* e = add_ready(idx, 3);
+  ASSERT_NE(e, nullptr);
+  EXPECT_EQ(idx.find(key(1)), nullptr);
+  EXPECT_EQ(e->slot, slot1);
+  EXPECT_EQ(idx.evictions(), 1);
+  EXPECT_EQ(idx.size(), 3);
+}
+
+TEST(PrefixIndex, NeverEvictsAnEntryHeldByATransfer) {
+  hicache::PrefixIndex idx(2);
+  hicache::Entry* a = add_ready(idx, 0);
+  hicache::Entry* b = add_ready(idx, 1);
+  idx.pin(a);
+  idx.pin(b);
+  EXPECT_EQ(idx.busy(), 2);
+  EXPECT_EQ(idx.insert(key(2), 9, 0), nullptr);  // everything held: nothing changes
+  EXPECT_EQ(idx.size(), 2);
+  idx.unpin(b);
+  ASSERT_NE(idx.insert(key(2), 9, 0), nullptr);  // b was the only idle one
+  EXPECT_EQ(idx.find(key(1)), nullptr);
+  EXPECT_NE(idx.find(key(0)), nullptr);
+}
+
+TEST(PrefixIndex, PendingEntriesAreHeldUntilUnpinned) {
+  hicache::PrefixIndex idx(1);
+  hicache::Entry* e = idx.insert(key(0), 1, 0);
+  ASSERT_NE(e, nullptr);
+  EXPECT_FALSE(e->ready);
+  EXPECT_EQ(e->refs, 1);
+  EXPECT_EQ(idx.insert(key(1), 2, 0), nullptr);
+  EXPECT_THROW(idx.erase(e), std::logic_error);
+  idx.unpin(e);
+  EXPECT_THROW(idx.unpin(e), std::logic_error);
+  idx.erase(e);
+  EXPECT_EQ(idx.size(), 0);
+}
+
+TEST(PrefixIndex, LruOrderListsLeastRecentFirst) {
+  hicache::PrefixIndex idx(4);
+  for (int i = 0; i < 4; ++i) add_ready(idx, i);
+  idx.touch(idx.find(key(1)));
+  idx.touch(idx.find(key(0)));
+  std::vector<int> order;
+  for (const hicache::Entry* e : idx.lru_order()) order.push_back(e->key.bytes[0]);
+  EXPECT_EQ(order, (std::vector<int>{2, 3, 1, 0}));
+}
