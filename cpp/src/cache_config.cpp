@@ -21,8 +21,7 @@ void CacheConfig::validate() const {
   require(keep_tokens >= 1, "keep_tokens", ">= 1 (the last token must be computed)", keep_tokens);
   require(state_bytes >= 0, "state_bytes", ">= 0", state_bytes);
   if (state_bytes > 0) {
-    require(capacity_states >= 1, "capacity_states", ">= 1 when state_bytes > 0",
-            capacity_states);
+    require(capacity_states >= 1, "capacity_states", ">= 1 when state_bytes > 0", capacity_states);
     require(state_lookback >= 1, "state_lookback", ">= 1 when state_bytes > 0", state_lookback);
   } else {
     require(capacity_states >= 0, "capacity_states", ">= 0", capacity_states);

@@ -41,8 +41,8 @@ class DoneFence final : public Fence {
 
 CpuCopier::CpuCopier(std::shared_ptr<HostAllocator> allocator) : allocator_(std::move(allocator)) {}
 
-void CpuCopier::copy_pages(Direction dir, const PageLayout& layout,
-                           std::span<const PageMove> moves, StreamHandle) {
+void CpuCopier::copy_pages(Direction dir, const PageLayout& layout, std::span<const PageMove> moves,
+                           StreamHandle) {
   copy_pages_now(dir, layout, moves);
 }
 

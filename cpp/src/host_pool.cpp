@@ -36,7 +36,8 @@ HostPool::HostPool(std::size_t slot_bytes, std::int64_t num_slots, std::size_t c
   if (num_slots < 0) throw std::invalid_argument("host pool: num_slots must be >= 0");
   if (!allocator_) throw std::invalid_argument("host pool: allocator required");
   slot_stride_ = (slot_bytes + kSlotAlign - 1) / kSlotAlign * kSlotAlign;
-  slots_per_chunk_ = std::max<std::int64_t>(1, static_cast<std::int64_t>(chunk_bytes / slot_stride_));
+  slots_per_chunk_ =
+      std::max<std::int64_t>(1, static_cast<std::int64_t>(chunk_bytes / slot_stride_));
   const std::int64_t num_chunks = (num_slots + slots_per_chunk_ - 1) / slots_per_chunk_;
   chunks_.assign(static_cast<std::size_t>(num_chunks), nullptr);
 }

@@ -43,9 +43,9 @@ HostPrefixCache::HostPrefixCache(std::vector<Segment> segments, Device device, C
   page_pool_ = std::make_unique<HostPool>(layout_.page_bytes(), config_.capacity_pages,
                                           config_.pool_chunk_bytes, alloc);
   if (config_.state_bytes > 0) {
-    state_pool_ = std::make_unique<HostPool>(static_cast<std::size_t>(config_.state_bytes),
-                                             config_.capacity_states, config_.pool_chunk_bytes,
-                                             alloc);
+    state_pool_ =
+        std::make_unique<HostPool>(static_cast<std::size_t>(config_.state_bytes),
+                                   config_.capacity_states, config_.pool_chunk_bytes, alloc);
   }
 }
 
@@ -153,18 +153,18 @@ std::int64_t HostPrefixCache::try_resume(std::string_view request_id,
     if (state_out->data == nullptr ||
         state_out->bytes != static_cast<std::size_t>(config_.state_bytes) ||
         !(state_out->device == layout_.device())) {
-      throw std::invalid_argument("try_resume: state_out must be " +
-                                  std::to_string(config_.state_bytes) + " bytes on " +
-                                  layout_.device().str() + " (got " +
-                                  std::to_string(state_out->bytes) + " bytes on " +
-                                  state_out->device.str() + ")");
+      throw std::invalid_argument(
+          "try_resume: state_out must be " + std::to_string(config_.state_bytes) + " bytes on " +
+          layout_.device().str() + " (got " + std::to_string(state_out->bytes) + " bytes on " +
+          state_out->device.str() + ")");
     }
   }
   const std::int64_t B = config_.block_tokens;
   const auto n_prompt = static_cast<std::int64_t>(prompt.size());
   const std::int64_t max_pages = std::max<std::int64_t>(0, n_prompt - config_.keep_tokens) / B;
   const std::string_view chain_salt = salt.value_or(std::string_view(config_.salt));
-  const std::vector<Key> keys = chain_keys(chain_salt, prompt, B, max_pages, config_.key_bits);  // outside the lock
+  const std::vector<Key> keys =
+      chain_keys(chain_salt, prompt, B, max_pages, config_.key_bits);  // outside the lock
 
   std::unique_lock<std::mutex> lock(mu_);
   retire_completed();
@@ -245,11 +245,11 @@ std::int64_t HostPrefixCache::try_resume(std::string_view request_id,
   bool failed = false;
   try {
     std::vector<PageMove> moves(h);
-    for (std::size_t i = 0; i < h; ++i) moves[i] = {(*blocks)[i], page_pool_->slot(matched[i]->slot)};
+    for (std::size_t i = 0; i < h; ++i)
+      moves[i] = {(*blocks)[i], page_pool_->slot(matched[i]->slot)};
     copier_->copy_pages(Direction::kToDevice, layout_, moves, stream);
     if (state) {
-      copier_->copy_bytes(Direction::kToDevice, *state_out, state_pool_->slot(state->slot),
-                          stream);
+      copier_->copy_bytes(Direction::kToDevice, *state_out, state_pool_->slot(state->slot), stream);
     }
   } catch (const Error& e) {
     note_error(e.what());
@@ -283,7 +283,8 @@ std::int64_t HostPrefixCache::store(std::string_view request_id,
   }
   layout_.check_blocks(block_ids.first(static_cast<std::size_t>(n_full)), false);
   const std::string_view chain_salt = salt.value_or(std::string_view(config_.salt));
-  const std::vector<Key> keys = chain_keys(chain_salt, tokens, B, INT64_MAX, config_.key_bits);  // outside the lock
+  const std::vector<Key> keys =
+      chain_keys(chain_salt, tokens, B, INT64_MAX, config_.key_bits);  // outside the lock
 
   std::unique_lock<std::mutex> lock(mu_);
   retire_completed();

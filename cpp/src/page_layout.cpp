@@ -13,8 +13,8 @@ PageLayout::PageLayout(std::vector<Segment> segments, Device device)
   for (std::size_t i = 0; i < segments_.size(); ++i) {
     const Segment& s = segments_[i];
     const std::string where = "segment " + std::to_string(i) + ": ";
-    if (s.base == nullptr) throw std::invalid_argument(where + "null base pointer");
     if (s.num_blocks <= 0) throw std::invalid_argument(where + "num_blocks must be positive");
+    if (s.base == nullptr) throw std::invalid_argument(where + "null base pointer");
     if (s.num_blocks != num_blocks_) {
       throw std::invalid_argument(where + "has " + std::to_string(s.num_blocks) +
                                   " blocks but segment 0 has " + std::to_string(num_blocks_) +

@@ -112,7 +112,8 @@ void round_trip(FakeEngine& eng) {
   cache.poll();
   for (std::int64_t b = 4; b < 8; ++b) eng.clear(b);
   EXPECT_EQ(cache.try_resume("r2", prompt, give(ids(4, 4))), 64);
-  for (std::int64_t b = 0; b < 4; ++b) EXPECT_EQ(eng.page(4 + b), before[static_cast<std::size_t>(b)]);
+  for (std::int64_t b = 0; b < 4; ++b)
+    EXPECT_EQ(eng.page(4 + b), before[static_cast<std::size_t>(b)]);
   EXPECT_TRUE(eng.canaries_intact());
 }
 
@@ -249,7 +250,7 @@ TEST(HostPrefixCache, LruEvictsTheLeastRecentlyUsedChain) {
   cache.store("a", a, ids(0, 2));
   cache.store("b", b, ids(2, 2));
   EXPECT_EQ(cache.try_resume("a2", a, give(ids(4, 2))), 32);  // a is now most recent
-  cache.store("c", c, ids(4, 2));                            // evicts b
+  cache.store("c", c, ids(4, 2));                             // evicts b
   EXPECT_EQ(cache.try_resume("b2", b, give(ids(6, 2))), 0);
   EXPECT_EQ(cache.try_resume("a3", a, give(ids(6, 2))), 32);
   EXPECT_EQ(cache.try_resume("c2", c, give(ids(6, 2))), 32);
@@ -301,9 +302,11 @@ TEST(HostPrefixCache, CollidingKeysNeverServeAnotherPrefix) {
     std::vector<std::int32_t> t(16 * 3 + 1, 0);
     for (std::size_t p = 0; p < 3; ++p) {
       const auto choice = static_cast<std::int32_t>(rng() % 3);
-      for (std::size_t i = 0; i < 16; ++i) t[p * 16 + i] = choice * 7 + static_cast<std::int32_t>(i % 2);
+      for (std::size_t i = 0; i < 16; ++i)
+        t[p * 16 + i] = choice * 7 + static_cast<std::int32_t>(i % 2);
     }
-    for (std::int64_t p = 0; p < 3; ++p) eng.fill(p, prefix_seed(t, static_cast<std::size_t>(16 * (p + 1))));
+    for (std::int64_t p = 0; p < 3; ++p)
+      eng.fill(p, prefix_seed(t, static_cast<std::size_t>(16 * (p + 1))));
     const std::int64_t got = cache.try_resume("r", t, give(ids(10, 3)));
     for (std::int64_t p = 0; p < got / 16; ++p) {
       ASSERT_EQ(eng.page(10 + p), eng.page(p)) << "round " << round << " page " << p;
@@ -376,7 +379,7 @@ TEST(HostPrefixCache, ForgetDiscardsUnfinishedStoresAndRejectsUnknownIds) {
   HostPrefixCache cache(eng.segments(), {}, small_config(4), copier);
   const auto t = tokens(33);
   cache.store("a", t, ids(0, 2));
-  cache.forget("a");  // aborted before the copy ran: its blocks may be reused
+  cache.forget("a");                       // aborted before the copy ran: its blocks may be reused
   EXPECT_EQ(cache.stats().pages_busy, 2);  // slots still held by the copy in flight
   copier->complete();
   cache.poll();
@@ -468,7 +471,8 @@ TEST(HostPrefixCache, ConcurrentCallsFromSeveralThreadsStayConsistent) {
         const int conv = static_cast<int>(rng() % 8);
         const auto t = tokens(16 * 3 + 1, conv * 1000);
         // Blocks 0..2 of conversation `conv` hold pattern `conv` in every thread's range.
-        for (std::int64_t p = 0; p < 3; ++p) eng.fill(base + p, static_cast<std::uint32_t>(conv * 10 + p));
+        for (std::int64_t p = 0; p < 3; ++p)
+          eng.fill(base + p, static_cast<std::uint32_t>(conv * 10 + p));
         const std::string id = std::to_string(th) + ":" + std::to_string(i);
         const std::int64_t got = cache.try_resume(id, t, give(ids(base + 10, 3)));
         for (std::int64_t p = 0; p < got / 16; ++p) {

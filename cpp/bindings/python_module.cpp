@@ -1,0 +1,299 @@
+// hicache._core: the nanobind module. All binding code lives here; the core knows nothing of it.
+//
+// Arrays arrive through DLPack (torch tensors, numpy arrays, anything with __dlpack__). Every
+// buffer is validated here before the core sees it; arrays the core writes into are taken
+// without conversion so nothing is ever written into a temporary copy.
+
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/string_view.h>
+#include <nanobind/stl/vector.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "hicache/hicache.hpp"
+
+namespace nb = nanobind;
+using namespace nb::literals;
+
+namespace {
+
+using Tokens = nb::ndarray<const std::int32_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
+using BlockIds = nb::ndarray<const std::int64_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
+
+// DLPack device types (dlpack.h): CPU, CUDA, CUDA pinned host memory.
+constexpr int kDLCPU = 1, kDLCUDA = 2, kDLCUDAHost = 3;
+
+template <typename... Ts>
+hicache::Device device_of(const nb::ndarray<Ts...>& a, const std::string& what) {
+  switch (a.device_type()) {
+    case kDLCPU:
+    case kDLCUDAHost:
+      return {hicache::DeviceKind::kCpu, 0};
+    case kDLCUDA:
+      return {hicache::DeviceKind::kCuda, a.device_id()};
+    default:
+      throw std::invalid_argument(what + ": unsupported device type " +
+                                  std::to_string(a.device_type()) + " (need CPU or CUDA memory)");
+  }
+}
+
+// Bytes from one block to the next, requiring each block (dims 1..) to be C-contiguous.
+hicache::Segment segment_of(const nb::ndarray<>& a, std::size_t index) {
+  const std::string what = "segment " + std::to_string(index);
+  if (a.ndim() < 1) throw std::invalid_argument(what + ": needs a block dimension (ndim >= 1)");
+  std::int64_t expected = 1;
+  for (std::size_t d = a.ndim(); d-- > 1;) {
+    if (a.shape(d) != 1 && a.stride(d) != expected) {
+      throw std::invalid_argument(what + ": each block must be contiguous (dimension " +
+                                  std::to_string(d) + " has stride " + std::to_string(a.stride(d)) +
+                                  ", expected " + std::to_string(expected) + ")");
+    }
+    expected *= static_cast<std::int64_t>(a.shape(d));
+  }
+  if (a.stride(0) < expected) {
+    throw std::invalid_argument(what + ": blocks overlap (stride " + std::to_string(a.stride(0)) +
+                                " elements < block size " + std::to_string(expected) + ")");
+  }
+  const auto item = static_cast<std::int64_t>(a.itemsize());
+  return {a.data(), static_cast<std::int64_t>(a.shape(0)), a.stride(0) * item, expected * item};
+}
+
+template <typename... Ts>
+hicache::DeviceBuffer buffer_of(const nb::ndarray<Ts...>& a, const std::string& what) {
+  std::int64_t expected = 1;
+  for (std::size_t d = a.ndim(); d-- > 0;) {
+    if (a.shape(d) != 1 && a.stride(d) != expected) {
+      throw std::invalid_argument(what + " must be contiguous");
+    }
+    expected *= static_cast<std::int64_t>(a.shape(d));
+  }
+  return {const_cast<void*>(static_cast<const void*>(a.data())), a.nbytes(), device_of(a, what)};
+}
+
+// Owns the engine tensors for as long as the cache may copy to or from them. Members are
+// destroyed in reverse order: the cache (which waits for transfers) before the tensors.
+struct PyCache {
+  std::vector<nb::ndarray<>> segments;
+  std::shared_ptr<hicache::DeferredCopier> deferred;
+  std::unique_ptr<hicache::HostPrefixCache> cache;
+};
+
+PyCache make_cache(std::vector<nb::ndarray<>> segments, std::int64_t block_tokens,
+                   std::int64_t capacity_pages, std::int64_t keep_tokens, std::int64_t state_bytes,
+                   std::int64_t capacity_states, std::int64_t state_lookback, nb::bytes salt,
+                   std::int64_t error_limit, int key_bits, std::size_t pool_chunk_bytes,
+                   const std::string& copier, int cuda_blocks) {
+  PyCache out;
+  std::vector<hicache::Segment> segs;
+  hicache::Device device{};
+  for (std::size_t i = 0; i < segments.size(); ++i) {
+    segs.push_back(segment_of(segments[i], i));
+    const hicache::Device d = device_of(segments[i], "segment " + std::to_string(i));
+    if (i == 0) {
+      device = d;
+    } else if (!(d == device)) {
+      throw std::invalid_argument("segment " + std::to_string(i) + " is on " + d.str() +
+                                  " but segment 0 is on " + device.str());
+    }
+  }
+  hicache::CacheConfig c;
+  c.block_tokens = block_tokens;
+  c.capacity_pages = capacity_pages;
+  c.keep_tokens = keep_tokens;
+  c.state_bytes = state_bytes;
+  c.capacity_states = capacity_states;
+  c.state_lookback = state_lookback;
+  c.salt = std::string(salt.c_str(), salt.size());
+  c.error_limit = error_limit;
+  c.key_bits = key_bits;
+  c.pool_chunk_bytes = pool_chunk_bytes;
+  std::shared_ptr<hicache::Copier> chosen;
+  if (copier == "deferred") {
+    out.deferred = std::make_shared<hicache::DeferredCopier>();
+    chosen = out.deferred;
+  } else if (copier == "cpu") {
+    chosen = std::make_shared<hicache::CpuCopier>();
+  } else if (copier == "cuda") {
+    if (device.kind != hicache::DeviceKind::kCuda) {
+      throw std::invalid_argument("copier='cuda' needs CUDA segments");
+    }
+    chosen = hicache::make_cuda_copier(device.index, {cuda_blocks, 1024});
+  } else if (copier == "auto") {
+    if (device.kind == hicache::DeviceKind::kCuda) {
+      chosen = hicache::make_cuda_copier(device.index, {cuda_blocks, 1024});
+    }
+  } else {
+    throw std::invalid_argument("copier must be 'auto', 'cpu', 'cuda' or 'deferred', not '" +
+                                copier + "'");
+  }
+  out.cache = std::make_unique<hicache::HostPrefixCache>(std::move(segs), device, c, chosen);
+  out.segments = std::move(segments);
+  return out;
+}
+
+std::optional<std::string_view> salt_view(const std::optional<nb::bytes>& salt) {
+  if (!salt) return std::nullopt;
+  return std::string_view(salt->c_str(), salt->size());
+}
+
+std::int64_t try_resume(PyCache& self, std::string_view request_id, Tokens prompt,
+                        nb::callable allocate, std::uintptr_t stream,
+                        std::optional<nb::ndarray<>> state_out, std::optional<nb::bytes> salt) {
+  std::optional<hicache::DeviceBuffer> out;
+  if (state_out) out = buffer_of(*state_out, "state_out");
+  hicache::HostPrefixCache::AllocateFn fn =
+      [&allocate](std::int64_t tokens) -> std::optional<std::vector<std::int64_t>> {
+    nb::gil_scoped_acquire acquire;
+    nb::object r = allocate(tokens);
+    if (r.is_none()) return std::nullopt;
+    std::vector<std::int64_t> ids;
+    if (!nb::try_cast(r, ids)) {
+      throw nb::type_error("allocate must return a sequence of int block ids, or None to defer");
+    }
+    return ids;
+  };
+  const std::optional<std::string_view> chain_salt = salt_view(salt);
+  nb::gil_scoped_release release;
+  return self.cache->try_resume(request_id, {prompt.data(), prompt.shape(0)}, fn,
+                                reinterpret_cast<hicache::StreamHandle>(stream), out, chain_salt);
+}
+
+std::int64_t store(PyCache& self, std::string_view request_id, Tokens tokens, BlockIds block_ids,
+                   std::uintptr_t stream, std::optional<nb::callable> state_export,
+                   std::optional<nb::bytes> salt) {
+  std::vector<nb::object> keep;  // buffers returned by state_export, alive until we return
+  hicache::HostPrefixCache::StateExportFn fn;
+  if (state_export) {
+    fn = [&state_export, &keep](std::int64_t pos) -> std::optional<hicache::DeviceBuffer> {
+      nb::gil_scoped_acquire acquire;
+      nb::object r = (*state_export)(pos);
+      if (r.is_none()) return std::nullopt;
+      nb::ndarray<nb::ro> arr;  // only read from
+      if (!nb::try_cast(r, arr)) {
+        throw nb::type_error("state_export must return an array (a DLPack tensor) or None");
+      }
+      keep.push_back(r);
+      return buffer_of(arr, "state_export(" + std::to_string(pos) + ")");
+    };
+  }
+  std::optional<std::string_view> chain_salt = salt_view(salt);
+  std::int64_t n;
+  {
+    nb::gil_scoped_release release;
+    n = self.cache->store(request_id, {tokens.data(), tokens.shape(0)},
+                          {block_ids.data(), block_ids.shape(0)},
+                          reinterpret_cast<hicache::StreamHandle>(stream), fn, chain_salt);
+  }
+  return n;
+}
+
+}  // namespace
+
+NB_MODULE(_core, m) {
+  m.doc() = "hicache core (C++): host-memory KV prefix cache. Use the hicache package instead.";
+
+  nb::exception<hicache::Error>(m, "CacheError");
+  nb::exception<hicache::UnknownRequest>(m, "UnknownRequestError", PyExc_KeyError);
+
+  m.def("cuda_available", &hicache::cuda_available,
+        "Whether this build has the CUDA copier and a CUDA device is visible.");
+  m.def(
+      "chain_keys",
+      [](nb::bytes salt, Tokens tokens, std::int64_t block_tokens, int key_bits) {
+        const auto keys = hicache::chain_keys(std::string_view(salt.c_str(), salt.size()),
+                                              {tokens.data(), tokens.shape(0)}, block_tokens,
+                                              INT64_MAX, key_bits);
+        std::vector<nb::bytes> out;
+        for (const auto& k : keys) out.emplace_back(k.bytes.data(), k.bytes.size());
+        return out;
+      },
+      "salt"_a, "tokens"_a.noconvert(), "block_tokens"_a, "key_bits"_a = 128,
+      "16-byte chain keys of every full block of int32 `tokens`.");
+
+  nb::class_<hicache::CacheStats>(m, "CacheStats")
+      .def_ro("lookups", &hicache::CacheStats::lookups)
+      .def_ro("lookup_tokens", &hicache::CacheStats::lookup_tokens)
+      .def_ro("hits", &hicache::CacheStats::hits)
+      .def_ro("hit_tokens", &hicache::CacheStats::hit_tokens)
+      .def_ro("deferred", &hicache::CacheStats::deferred)
+      .def_ro("stores", &hicache::CacheStats::stores)
+      .def_ro("store_skips", &hicache::CacheStats::store_skips)
+      .def_ro("collisions", &hicache::CacheStats::collisions)
+      .def_ro("pages_stored", &hicache::CacheStats::pages_stored)
+      .def_ro("pages_loaded", &hicache::CacheStats::pages_loaded)
+      .def_ro("pages_evicted", &hicache::CacheStats::pages_evicted)
+      .def_ro("states_stored", &hicache::CacheStats::states_stored)
+      .def_ro("states_loaded", &hicache::CacheStats::states_loaded)
+      .def_ro("states_evicted", &hicache::CacheStats::states_evicted)
+      .def_ro("transfers_in_flight", &hicache::CacheStats::transfers_in_flight)
+      .def_ro("pages_used", &hicache::CacheStats::pages_used)
+      .def_ro("pages_capacity", &hicache::CacheStats::pages_capacity)
+      .def_ro("pages_busy", &hicache::CacheStats::pages_busy)
+      .def_ro("states_used", &hicache::CacheStats::states_used)
+      .def_ro("states_capacity", &hicache::CacheStats::states_capacity)
+      .def_ro("states_busy", &hicache::CacheStats::states_busy)
+      .def_ro("host_bytes", &hicache::CacheStats::host_bytes)
+      .def_ro("requests", &hicache::CacheStats::requests)
+      .def_ro("errors", &hicache::CacheStats::errors)
+      .def_ro("disabled", &hicache::CacheStats::disabled)
+      .def_ro("disabled_reason", &hicache::CacheStats::disabled_reason)
+      .def_ro("last_error", &hicache::CacheStats::last_error)
+      .def_prop_ro("hit_rate", &hicache::CacheStats::hit_rate)
+      .def_prop_ro("token_hit_rate", &hicache::CacheStats::token_hit_rate);
+
+  nb::class_<PyCache>(m, "HostPrefixCache")
+      .def(
+          "__init__",
+          [](PyCache* self, std::vector<nb::ndarray<>> segments, std::int64_t block_tokens,
+             std::int64_t capacity_pages, std::int64_t keep_tokens, std::int64_t state_bytes,
+             std::int64_t capacity_states, std::int64_t state_lookback, nb::bytes salt,
+             std::int64_t error_limit, int key_bits, std::size_t pool_chunk_bytes,
+             const std::string& copier, int cuda_blocks) {
+            new (self)
+                PyCache(make_cache(std::move(segments), block_tokens, capacity_pages, keep_tokens,
+                                   state_bytes, capacity_states, state_lookback, salt, error_limit,
+                                   key_bits, pool_chunk_bytes, copier, cuda_blocks));
+          },
+          "segments"_a, "block_tokens"_a, "capacity_pages"_a, "keep_tokens"_a, "state_bytes"_a,
+          "capacity_states"_a, "state_lookback"_a, "salt"_a, "error_limit"_a, "key_bits"_a,
+          "pool_chunk_bytes"_a, "copier"_a, "cuda_blocks"_a)
+      .def("try_resume", &try_resume, "request_id"_a, "prompt"_a.noconvert(), "allocate"_a,
+           "stream"_a, "state_out"_a.noconvert().none(), "salt"_a.none())
+      .def("store", &store, "request_id"_a, "tokens"_a.noconvert(), "block_ids"_a.noconvert(),
+           "stream"_a, "state_export"_a.none(), "salt"_a.none())
+      .def(
+          "poll", [](PyCache& self) { return self.cache->poll(); },
+          nb::call_guard<nb::gil_scoped_release>())
+      .def(
+          "forget", [](PyCache& self, std::string_view id) { self.cache->forget(id); },
+          "request_id"_a, nb::call_guard<nb::gil_scoped_release>())
+      .def("stats", [](const PyCache& self) { return self.cache->stats(); })
+      .def(
+          "complete_transfers",
+          [](PyCache& self, std::optional<std::uintptr_t> stream) -> std::size_t {
+            if (!self.deferred) throw std::invalid_argument("only the 'deferred' test copier");
+            if (stream)
+              return self.deferred->complete(reinterpret_cast<hicache::StreamHandle>(*stream));
+            return self.deferred->complete();
+          },
+          "stream"_a.none() = nb::none())
+      .def("page_lru_order",
+           [](const PyCache& self) {
+             std::vector<nb::bytes> out;
+             for (const auto& k : self.cache->page_lru_order())
+               out.emplace_back(k.bytes.data(), 16);
+             return out;
+           })
+      .def_prop_ro("page_bytes",
+                   [](const PyCache& self) { return self.cache->layout().page_bytes(); })
+      .def_prop_ro("num_blocks",
+                   [](const PyCache& self) { return self.cache->layout().num_blocks(); })
+      .def_prop_ro("device",
+                   [](const PyCache& self) { return self.cache->layout().device().str(); });
+}

@@ -1,0 +1,17 @@
+"""hicache: a host-memory KV prefix cache for LLM inference engines."""
+
+from ._core import CacheError, CacheStats, UnknownRequestError, cuda_available
+from .cache import HostPrefixCache
+from .hash_chain import chain_keys
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CacheError",
+    "CacheStats",
+    "HostPrefixCache",
+    "UnknownRequestError",
+    "__version__",
+    "chain_keys",
+    "cuda_available",
+]

@@ -1,0 +1,203 @@
+"""The Python face of hicache: HostPrefixCache over torch tensors or numpy arrays."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, Literal
+
+from . import _arrays
+from ._core import CacheStats
+from ._core import HostPrefixCache as _CoreCache
+
+ArrayLike = Any  # torch.Tensor, numpy.ndarray, or anything exporting DLPack
+Allocate = Callable[[int], "Sequence[int] | ArrayLike | None"]
+StateExport = Callable[[int], "ArrayLike | None"]
+CopierKind = Literal["auto", "cpu", "cuda", "deferred"]
+
+
+class HostPrefixCache:
+    """A host-memory prefix cache for an engine's paged KV blocks (and hybrid-model state).
+
+    Args:
+        segments: the engine's KV tensors, first dimension = block id, every block contiguous.
+            One tensor is a page-major pool; several (per-layer K and V, MLA latents) are
+            layer-major. All on one device. They must outlive the cache; the cache keeps a
+            reference to each.
+        block_tokens: tokens per engine block (= per host page).
+        capacity_pages: host pages to keep. Give this or ``host_bytes``.
+        host_bytes: host memory for pages, in bytes (rounded down to whole pages).
+        keep_tokens: a hit always leaves at least this many prompt tokens to compute (>= 1).
+        state_bytes: bytes of one per-sequence state of a hybrid model (0: no state).
+        capacity_states: host state slots (required when ``state_bytes > 0``).
+        state_lookback: ``store`` saves states at this many of the last block boundaries.
+        salt: namespace of every chain unless a call passes its own (tenants never share).
+        error_limit: consecutive cache failures after which the cache disables itself.
+        copier: ``"auto"`` (CUDA for CUDA segments, else CPU), ``"cpu"``, ``"cuda"``, or
+            ``"deferred"`` (tests: copies run at :meth:`complete_transfers`).
+        cuda_blocks: CTAs of the CUDA copy kernel.
+        key_bits: tests only; fewer than 128 bits force hash collisions.
+
+    Raises:
+        ValueError: bad layout or configuration. Host memory is allocated lazily, at first use.
+    """
+
+    def __init__(
+        self,
+        segments: ArrayLike | Sequence[ArrayLike],
+        *,
+        block_tokens: int = 128,
+        capacity_pages: int | None = None,
+        host_bytes: int | None = None,
+        keep_tokens: int = 1,
+        state_bytes: int = 0,
+        capacity_states: int = 0,
+        state_lookback: int = 2,
+        salt: bytes | str = b"",
+        error_limit: int = 8,
+        copier: CopierKind = "auto",
+        cuda_blocks: int = 4,
+        pool_chunk_bytes: int = 256 << 20,
+        key_bits: int = 128,
+    ) -> None:
+        segs = [segments] if hasattr(segments, "shape") else list(segments)
+        if not segs:
+            raise ValueError("at least one KV segment is required")
+        if (capacity_pages is None) == (host_bytes is None):
+            raise ValueError("give exactly one of capacity_pages and host_bytes")
+        if host_bytes is not None:
+            page = sum(_arrays.block_bytes(s) for s in segs)
+            capacity_pages = host_bytes // page if page > 0 else 0
+            if capacity_pages < 1:
+                raise ValueError(f"host_bytes={host_bytes} holds no page of {page} bytes")
+        salt_bytes = _arrays.as_salt(salt)
+        assert salt_bytes is not None
+        self._segments = segs
+        self._core = _CoreCache(
+            segs,
+            block_tokens,
+            capacity_pages,
+            keep_tokens,
+            state_bytes,
+            capacity_states,
+            state_lookback,
+            salt_bytes,
+            error_limit,
+            key_bits,
+            pool_chunk_bytes,
+            copier,
+            cuda_blocks,
+        )
+        self.block_tokens = block_tokens
+        self.state_bytes = state_bytes
+
+    def try_resume(
+        self,
+        request_id: str | int,
+        prompt: Sequence[int] | ArrayLike,
+        allocate: Allocate,
+        *,
+        stream: Any = None,
+        state_out: ArrayLike | None = None,
+        salt: bytes | str | None = None,
+    ) -> int:
+        """Serve the longest cached prefix of ``prompt`` from host memory.
+
+        On a hit, calls ``allocate(n_tokens)`` for the engine block ids that receive the pages
+        (one per ``block_tokens`` tokens, or None to defer), then enqueues the copies (and the
+        state into ``state_out``) on ``stream`` (default: torch's current stream for CUDA
+        segments), so work enqueued after it on that stream sees the data.
+
+        Returns:
+            tokens served (prefill starts there), 0 on a miss or a cache failure (counted, never
+            raised), -1 if ``allocate`` deferred.
+
+        Raises:
+            ValueError / TypeError / IndexError: bad prompt, ``state_out`` or ``allocate`` result;
+            nothing is copied then.
+        """
+
+        def alloc(n: int) -> list[int] | None:
+            got = allocate(n)
+            return None if got is None else _arrays.block_id_list(got)
+
+        return self._core.try_resume(
+            _arrays.as_request_id(request_id),
+            _arrays.as_tokens(prompt, "prompt"),
+            alloc,
+            _arrays.stream_handle(stream, self._segments),
+            state_out,
+            _arrays.as_salt(salt),
+        )
+
+    def store(
+        self,
+        request_id: str | int,
+        tokens: Sequence[int] | ArrayLike,
+        block_ids: Sequence[int] | ArrayLike,
+        *,
+        stream: Any = None,
+        state_export: StateExport | None = None,
+        salt: bytes | str | None = None,
+    ) -> int:
+        """Write-through after prefill: copy every full block of ``tokens`` not yet cached.
+
+        ``block_ids[i]`` holds tokens ``[i*B, (i+1)*B)``. ``state_export(pos)`` returns the
+        engine's state at ``pos`` (a tensor of ``state_bytes`` bytes) or None; the tensor must
+        stay valid in stream order until the copy ran. Entries become hit-able after
+        :meth:`poll` sees the copy complete. Best effort: stops when no slot is free (counted).
+
+        Returns:
+            pages newly enqueued.
+        """
+        return self._core.store(
+            _arrays.as_request_id(request_id),
+            _arrays.as_tokens(tokens, "tokens"),
+            _arrays.as_block_ids(block_ids),
+            _arrays.stream_handle(stream, self._segments),
+            state_export,
+            _arrays.as_salt(salt),
+        )
+
+    def poll(self) -> int:
+        """Retire completed transfers (non-blocking). Returns how many were retired."""
+        return self._core.poll()
+
+    def forget(self, request_id: str | int) -> None:
+        """The request finished or was aborted: its GPU blocks may be reused.
+
+        Its stores still in flight are discarded when they complete.
+
+        Raises:
+            UnknownRequestError (a KeyError): the id was never seen or already forgotten.
+        """
+        self._core.forget(_arrays.as_request_id(request_id))
+
+    def stats(self) -> CacheStats:
+        """A snapshot of the counters (see :class:`CacheStats`)."""
+        return self._core.stats()
+
+    def stats_dict(self) -> dict[str, object]:
+        """The counters as a plain dict (for logs and JSON)."""
+        s = self._core.stats()
+        names = [n for n in dir(s) if not n.startswith("_")]
+        return {n: getattr(s, n) for n in names}
+
+    def complete_transfers(self, stream: int | None = None) -> int:
+        """Tests with ``copier="deferred"``: run queued copies (of one stream, or all)."""
+        return self._core.complete_transfers(stream)
+
+    def page_lru_order(self) -> list[bytes]:
+        """Keys of cached pages, least recently used first (tests and debugging)."""
+        return self._core.page_lru_order()
+
+    @property
+    def page_bytes(self) -> int:
+        return self._core.page_bytes
+
+    @property
+    def num_blocks(self) -> int:
+        return self._core.num_blocks
+
+    @property
+    def device(self) -> str:
+        return self._core.device

@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# Installs what the tests need, then runs every check: lint, the C++ suite (plain and under
+# AddressSanitizer + UndefinedBehaviorSanitizer), and the Python suite against the installed wheel.
+# Works from a clean clone on a CPU-only Debian machine: apt for GoogleTest, a venv for the rest.
+# Logs go to build/logs/; the last lines summarise.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+root=$PWD
+venv=${HICACHE_VENV:-$root/build/venv}
+logs=$root/build/logs
+mkdir -p "$logs"
+start=$(date +%s)
+step() { printf '\n== %s (%ss)\n' "$1" "$(( $(date +%s) - start ))"; }
+
+step "system packages"
+if ! dpkg -s libgtest-dev >/dev/null 2>&1 || ! command -v cmake >/dev/null || ! command -v g++ >/dev/null; then
+  sudo=""; [ "$(id -u)" = 0 ] || sudo=sudo
+  $sudo apt-get update -qq
+  $sudo apt-get install -y -qq libgtest-dev cmake g++ python3-venv >"$logs/apt.log"
+fi
+
+step "python environment ($venv)"
+[ -x "$venv/bin/python" ] || python3 -m venv "$venv"
+"$venv/bin/python" -m pip install -q --upgrade pip >"$logs/pip.log" 2>&1
+"$venv/bin/python" -m pip install -q -r requirements-test.txt >>"$logs/pip.log" 2>&1 || { cat "$logs/pip.log"; exit 1; }
+export PATH=$venv/bin:$PATH
+
+step "lint: ruff, clang-format"
+ruff check python tests
+clang-format --dry-run -Werror $(git ls-files 'cpp/*.hpp' 'cpp/*.cpp' 'cpp/*.cu' 'cpp/*.cuh' 'tests/cpp/*.cpp' 'examples/*.cpp')
+
+step "C++: build and run the GoogleTest suite"
+cmake -S . -B build/cpp -G Ninja -DHICACHE_BUILD_TESTS=ON >"$logs/cmake-cpp.log"
+cmake --build build/cpp >"$logs/build-cpp.log" 2>&1 || { cat "$logs/build-cpp.log"; exit 1; }
+(cd build/cpp && ctest --output-on-failure -j2)
+
+step "C++: the same suite under ASan + UBSan"
+cmake -S . -B build/cpp-asan -G Ninja -DHICACHE_BUILD_TESTS=ON -DHICACHE_SANITIZE=ON \
+  -DHICACHE_BUILD_CUDA=OFF -DCMAKE_BUILD_TYPE=Debug >"$logs/cmake-asan.log"
+cmake --build build/cpp-asan >"$logs/build-asan.log" 2>&1 || { cat "$logs/build-asan.log"; exit 1; }
+(cd build/cpp-asan && ASAN_OPTIONS=detect_leaks=1 ctest --output-on-failure -j2)
+
+step "Python: build and install the wheel"
+python -m pip install -q --no-build-isolation . >"$logs/pip-install.log" 2>&1 || { cat "$logs/pip-install.log"; exit 1; }
+
+step "Python: pytest"
+(cd tests/py && python -m pytest -q -p no:cacheprovider .)
+
+step "all checks passed"
