@@ -39,6 +39,7 @@ HostPrefixCache::HostPrefixCache(std::vector<Segment> segments, Device device, C
   if (!copier_->supports(device)) {
     throw std::invalid_argument("the copier cannot reach segments on " + device.str());
   }
+  copier_->bind(layout_);
   auto alloc = copier_->host_allocator();
   page_pool_ = std::make_unique<HostPool>(layout_.page_bytes(), config_.capacity_pages,
                                           config_.pool_chunk_bytes, alloc);

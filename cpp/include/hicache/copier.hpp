@@ -37,6 +37,10 @@ class Copier {
  public:
   virtual ~Copier() = default;
 
+  /// Called once by the cache with its layout before any copy: a copier may validate the
+  /// segments (device, alignment) and prepare what it needs. @throws std::invalid_argument.
+  virtual void bind(const PageLayout& layout) { (void)layout; }
+
   /// Enqueues copies of whole pages. Block ids were checked by the caller.
   /// @throws hicache::Error if the copy cannot be enqueued.
   virtual void copy_pages(Direction dir, const PageLayout& layout, std::span<const PageMove> moves,

@@ -1,0 +1,241 @@
+// The CUDA copier: one gather/scatter kernel a batch on the caller's stream, CUDA events as
+// fences, pinned mapped host memory for the pools.
+
+#include <algorithm>
+#include <mutex>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "cuda_check.cuh"
+#include "hicache/cuda_copier.hpp"
+#include "page_copy_kernel.cuh"
+#include "pinned_allocator.hpp"
+
+namespace hicache {
+namespace cuda {
+namespace {
+
+// Vectors in flight per thread. Reads across PCIe (to device) are latency-bound and want many;
+// reads from HBM (to host) need fewer, and 16-byte vectors at 8 deep would spill registers
+// under the 64-register budget of 1024-thread CTAs.
+template <typename V, bool kToHost>
+constexpr int kUnroll = (sizeof(V) == 16 && kToHost) ? 4 : 8;
+
+// Events are reused: creating one per transfer costs more than the transfer's bookkeeping.
+class EventPool {
+ public:
+  ~EventPool() {
+    for (cudaEvent_t e : free_) cudaEventDestroy(e);
+  }
+  cudaEvent_t take() {
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      if (!free_.empty()) {
+        cudaEvent_t e = free_.back();
+        free_.pop_back();
+        return e;
+      }
+    }
+    cudaEvent_t e;
+    HICACHE_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+    return e;
+  }
+  void give(cudaEvent_t e) {
+    std::lock_guard<std::mutex> g(mu_);
+    free_.push_back(e);
+  }
+
+ private:
+  std::mutex mu_;
+  std::vector<cudaEvent_t> free_;
+};
+
+class EventFence final : public Fence {
+ public:
+  EventFence(std::shared_ptr<EventPool> pool, cudaEvent_t e) : pool_(std::move(pool)), e_(e) {}
+  ~EventFence() override { pool_->give(e_); }
+  bool done() override {
+    const cudaError_t err = cudaEventQuery(e_);
+    if (err == cudaSuccess) return true;
+    if (err == cudaErrorNotReady) return false;
+    throw_cuda_error(err, "cudaEventQuery", __FILE__, __LINE__);
+  }
+  void wait() noexcept override { cudaEventSynchronize(e_); }
+
+ private:
+  std::shared_ptr<EventPool> pool_;
+  cudaEvent_t e_;
+};
+
+template <typename V, bool kToHost>
+void launch(const SegmentDesc* segs, int nseg, long long tiles_per_page, const MoveBatch& batch,
+            int blocks, int threads, cudaStream_t stream) {
+  page_copy_kernel<V, kUnroll<V, kToHost>, kToHost>
+      <<<blocks, threads, 0, stream>>>(segs, nseg, tiles_per_page, batch);
+  HICACHE_CUDA_CHECK(cudaGetLastError());
+}
+
+class CudaCopier final : public Copier {
+ public:
+  CudaCopier(int device, CudaCopierOptions opt)
+      : device_(device), opt_(opt), events_(std::make_shared<EventPool>()) {
+    DeviceGuard g(device_);
+    int direct = 0;
+    HICACHE_CUDA_CHECK(
+        cudaDeviceGetAttribute(&direct, cudaDevAttrCanUseHostPointerForRegisteredMem, device_));
+    // Registered memory is only usable at its host address when the device says so; memory from
+    // cudaHostAlloc is, on every 64-bit UVA platform.
+    allocator_ = make_pinned_allocator(direct ? PinMode::kRegister : PinMode::kHostAlloc);
+  }
+  ~CudaCopier() override {
+    if (table_ != nullptr) cudaFree(table_);
+  }
+
+  void bind(const PageLayout& layout) override {
+    DeviceGuard g(device_);
+    const auto& segs = layout.segments();
+    if (segs.size() > static_cast<std::size_t>(kMaxSegments)) {
+      throw std::invalid_argument("the CUDA copier takes at most " +
+                                  std::to_string(kMaxSegments) + " segments");
+    }
+    std::size_t align = 16;
+    for (std::size_t s = 0; s < segs.size(); ++s) {
+      check_on_device(segs[s].base, s, "first block");
+      const auto* last = static_cast<const char*>(segs[s].base) +
+                         (segs[s].num_blocks - 1) * segs[s].block_stride + segs[s].block_bytes - 1;
+      check_on_device(last, s, "last byte");
+      for (std::uint64_t v :
+           {static_cast<std::uint64_t>(reinterpret_cast<std::uintptr_t>(segs[s].base)),
+            static_cast<std::uint64_t>(segs[s].block_stride),
+            static_cast<std::uint64_t>(segs[s].block_bytes),
+            static_cast<std::uint64_t>(layout.page_offset(s))}) {
+        while (align > 1 && v % align != 0) align /= 2;
+      }
+    }
+    vec_ = align >= 16 ? 16 : align >= 4 ? 4 : 1;
+    const long long tile = static_cast<long long>(opt_.threads) * vec_;
+    std::vector<SegmentDesc> table;
+    long long tiles = 0;
+    for (std::size_t s = 0; s < segs.size(); ++s) {
+      table.push_back({static_cast<char*>(segs[s].base), segs[s].block_stride, segs[s].block_bytes,
+                       static_cast<long long>(layout.page_offset(s)), tiles});
+      tiles += (segs[s].block_bytes + tile - 1) / tile;
+    }
+    tiles_per_page_ = tiles;
+    nseg_ = static_cast<int>(table.size());
+    if (table_ != nullptr) cudaFree(table_);
+    table_ = nullptr;
+    HICACHE_CUDA_CHECK(cudaMalloc(&table_, table.size() * sizeof(SegmentDesc)));
+    HICACHE_CUDA_CHECK(cudaMemcpy(table_, table.data(), table.size() * sizeof(SegmentDesc),
+                                  cudaMemcpyHostToDevice));
+  }
+
+  void copy_pages(Direction dir, const PageLayout&, std::span<const PageMove> moves,
+                  StreamHandle stream) override {
+    if (table_ == nullptr) throw Error("CUDA copier used before bind()");
+    DeviceGuard g(device_);
+    auto s = static_cast<cudaStream_t>(stream);
+    for (std::size_t first = 0; first < moves.size(); first += kMaxMovesPerLaunch) {
+      MoveBatch batch;
+      batch.count = static_cast<int>(std::min<std::size_t>(kMaxMovesPerLaunch, moves.size() - first));
+      for (int i = 0; i < batch.count; ++i) {
+        batch.blocks[i] = moves[first + i].block;
+        batch.hosts[i] = reinterpret_cast<char*>(moves[first + i].host);
+      }
+      const long long work = (static_cast<long long>(batch.count) * tiles_per_page_ + 3) / 4;
+      const int blocks = static_cast<int>(std::min<long long>(opt_.max_blocks, work));
+      const bool to_host = dir == Direction::kToHost;
+      if (vec_ == 16) {
+        to_host ? launch<uint4, true>(table_, nseg_, tiles_per_page_, batch, blocks, opt_.threads, s)
+                : launch<uint4, false>(table_, nseg_, tiles_per_page_, batch, blocks, opt_.threads, s);
+      } else if (vec_ == 4) {
+        to_host ? launch<unsigned, true>(table_, nseg_, tiles_per_page_, batch, blocks, opt_.threads, s)
+                : launch<unsigned, false>(table_, nseg_, tiles_per_page_, batch, blocks, opt_.threads, s);
+      } else {
+        to_host ? launch<unsigned char, true>(table_, nseg_, tiles_per_page_, batch, blocks,
+                                              opt_.threads, s)
+                : launch<unsigned char, false>(table_, nseg_, tiles_per_page_, batch, blocks,
+                                               opt_.threads, s);
+      }
+    }
+  }
+
+  void copy_bytes(Direction dir, const DeviceBuffer& buf, std::byte* host,
+                  StreamHandle stream) override {
+    DeviceGuard g(device_);
+    auto s = static_cast<cudaStream_t>(stream);
+    if (dir == Direction::kToHost) {
+      HICACHE_CUDA_CHECK(cudaMemcpyAsync(host, buf.data, buf.bytes, cudaMemcpyDefault, s));
+    } else {
+      HICACHE_CUDA_CHECK(cudaMemcpyAsync(buf.data, host, buf.bytes, cudaMemcpyDefault, s));
+    }
+  }
+
+  std::unique_ptr<Fence> record(StreamHandle stream) override {
+    DeviceGuard g(device_);
+    cudaEvent_t e = events_->take();
+    const cudaError_t err = cudaEventRecord(e, static_cast<cudaStream_t>(stream));
+    if (err != cudaSuccess) {
+      events_->give(e);
+      throw_cuda_error(err, "cudaEventRecord", __FILE__, __LINE__);
+    }
+    return std::make_unique<EventFence>(events_, e);
+  }
+
+  std::shared_ptr<HostAllocator> host_allocator() override { return allocator_; }
+
+  bool supports(Device d) const override {
+    return d.kind == DeviceKind::kCuda && d.index == device_;
+  }
+
+ private:
+  void check_on_device(const void* p, std::size_t s, const char* what) const {
+    cudaPointerAttributes attr{};
+    const cudaError_t err = cudaPointerGetAttributes(&attr, p);
+    if (err != cudaSuccess || attr.type != cudaMemoryTypeDevice || attr.device != device_) {
+      cudaGetLastError();  // clear a sticky lookup failure
+      throw std::invalid_argument("segment " + std::to_string(s) + ": its " + what +
+                                  " is not device memory of cuda:" + std::to_string(device_));
+    }
+  }
+
+  int device_;
+  CudaCopierOptions opt_;
+  std::shared_ptr<EventPool> events_;
+  std::shared_ptr<HostAllocator> allocator_;
+  SegmentDesc* table_ = nullptr;
+  int nseg_ = 0;
+  long long tiles_per_page_ = 0;
+  int vec_ = 16;
+};
+
+}  // namespace
+}  // namespace cuda
+
+bool cuda_available() {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess) {
+    cudaGetLastError();
+    return false;
+  }
+  return n > 0;
+}
+
+std::shared_ptr<Copier> make_cuda_copier(int device, CudaCopierOptions options) {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess || device < 0 || device >= n) {
+    cudaGetLastError();
+    throw std::invalid_argument("CUDA device " + std::to_string(device) + " does not exist (" +
+                                std::to_string(n) + " visible)");
+  }
+  if (options.max_blocks < 1 || options.max_blocks > 1024) {
+    throw std::invalid_argument("cuda_blocks must be in [1, 1024]");
+  }
+  if (options.threads < 32 || options.threads > 1024 || options.threads % 32 != 0) {
+    throw std::invalid_argument("CUDA copier threads must be a multiple of 32 in [32, 1024]");
+  }
+  return std::make_shared<cuda::CudaCopier>(device, options);
+}
+
+}  // namespace hicache

@@ -1,0 +1,77 @@
+#include <sys/mman.h>
+
+#include <algorithm>
+#include <cstring>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "cuda_check.cuh"
+#include "pinned_allocator.hpp"
+
+namespace hicache::cuda {
+namespace {
+
+class HostAllocPinned final : public HostAllocator {
+ public:
+  void* allocate(std::size_t bytes) override {
+    void* p = nullptr;
+    HICACHE_CUDA_CHECK(cudaHostAlloc(&p, bytes, cudaHostAllocPortable | cudaHostAllocMapped));
+    return p;
+  }
+  void deallocate(void* p, std::size_t) noexcept override { cudaFreeHost(p); }
+  const char* name() const override { return "cudaHostAlloc"; }
+};
+
+// Pinning is bound by faulting pages in, which the driver does on one thread. Faulting them in on
+// every core first and then registering the populated range is several times faster.
+class RegisteredPinned final : public HostAllocator {
+ public:
+  explicit RegisteredPinned(int threads)
+      : threads_(threads > 0 ? threads : std::max(1u, std::thread::hardware_concurrency())) {}
+
+  void* allocate(std::size_t bytes) override {
+    void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED) {
+      throw Error("mmap of " + std::to_string(bytes) + " bytes for the pinned pool failed");
+    }
+    prefault(static_cast<char*>(p), bytes);
+    const cudaError_t err =
+        cudaHostRegister(p, bytes, cudaHostRegisterPortable | cudaHostRegisterMapped);
+    if (err != cudaSuccess) {
+      munmap(p, bytes);
+      throw_cuda_error(err, "cudaHostRegister", __FILE__, __LINE__);
+    }
+    return p;
+  }
+  void deallocate(void* p, std::size_t bytes) noexcept override {
+    cudaHostUnregister(p);
+    munmap(p, bytes);
+  }
+  const char* name() const override { return "mmap+cudaHostRegister"; }
+
+ private:
+  void prefault(char* p, std::size_t bytes) const {
+    constexpr std::size_t kPage = 4096;
+    const std::size_t n = std::min<std::size_t>(threads_, std::max<std::size_t>(1, bytes >> 26));
+    const std::size_t per = (bytes / n + kPage - 1) / kPage * kPage;
+    std::vector<std::thread> pool;
+    for (std::size_t t = 0; t < n; ++t) {
+      pool.emplace_back([=] {
+        const std::size_t begin = t * per, end = std::min(bytes, begin + per);
+        for (std::size_t off = begin; off < end; off += kPage) p[off] = 0;
+      });
+    }
+    for (auto& th : pool) th.join();
+  }
+  unsigned threads_;
+};
+
+}  // namespace
+
+std::shared_ptr<HostAllocator> make_pinned_allocator(PinMode mode, int threads) {
+  if (mode == PinMode::kHostAlloc) return std::make_shared<HostAllocPinned>();
+  return std::make_shared<RegisteredPinned>(threads);
+}
+
+}  // namespace hicache::cuda

@@ -1,0 +1,244 @@
+// The CUDA path on a real GPU: round trips, streams, in-flight protection, bounds checks.
+// Every test skips without a device.
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "hicache/hicache.hpp"
+
+namespace {
+
+#define CK(call) ASSERT_EQ((call), cudaSuccess) << #call
+
+__global__ void spin(long long cycles) {
+  const long long start = clock64();
+  while (clock64() - start < cycles) {
+  }
+}
+
+constexpr long long kSpinCycles = 200'000'000;  // ~0.1 s at 2 GHz: copies queue behind it
+
+bool have_gpu() {
+  int n = 0;
+  return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
+}
+
+// Device segments filled with random bytes, with a copy of what was written kept on the host.
+class DevicePool {
+ public:
+  DevicePool(std::int64_t num_blocks, std::vector<std::int64_t> block_bytes, std::int64_t pad = 0) {
+    std::mt19937 rng(42);
+    for (std::int64_t bytes : block_bytes) {
+      const std::int64_t stride = bytes + pad;
+      void* p = nullptr;
+      EXPECT_EQ(cudaMalloc(&p, static_cast<std::size_t>(stride * num_blocks)), cudaSuccess);
+      std::vector<std::uint8_t> host(static_cast<std::size_t>(stride * num_blocks));
+      for (auto& b : host) b = static_cast<std::uint8_t>(rng());
+      EXPECT_EQ(cudaMemcpy(p, host.data(), host.size(), cudaMemcpyHostToDevice), cudaSuccess);
+      segments_.push_back({p, num_blocks, stride, bytes});
+    }
+  }
+  ~DevicePool() {
+    for (auto& s : segments_) cudaFree(s.base);
+  }
+  const std::vector<hicache::Segment>& segments() const { return segments_; }
+  std::vector<std::uint8_t> page(std::int64_t block) const {
+    std::vector<std::uint8_t> out;
+    for (const auto& s : segments_) {
+      std::vector<std::uint8_t> b(static_cast<std::size_t>(s.block_bytes));
+      cudaMemcpy(b.data(), static_cast<char*>(s.base) + block * s.block_stride, b.size(),
+                 cudaMemcpyDeviceToHost);
+      out.insert(out.end(), b.begin(), b.end());
+    }
+    return out;
+  }
+  void clear(std::int64_t block) {
+    for (const auto& s : segments_) {
+      cudaMemset(static_cast<char*>(s.base) + block * s.block_stride, 0,
+                 static_cast<std::size_t>(s.block_bytes));
+    }
+    cudaDeviceSynchronize();  // ordered before copies on non-blocking streams
+  }
+
+ private:
+  std::vector<hicache::Segment> segments_;
+};
+
+const hicache::Device kGpu{hicache::DeviceKind::kCuda, 0};
+
+std::vector<std::int32_t> tokens(std::size_t n, std::int32_t start = 0) {
+  std::vector<std::int32_t> t(n);
+  for (std::size_t i = 0; i < n; ++i) t[i] = start + static_cast<std::int32_t>(i);
+  return t;
+}
+
+std::vector<std::int64_t> ids(std::int64_t first, std::int64_t n) {
+  std::vector<std::int64_t> v;
+  for (std::int64_t i = 0; i < n; ++i) v.push_back(first + i);
+  return v;
+}
+
+hicache::HostPrefixCache::AllocateFn give(std::int64_t first) {
+  return [first](std::int64_t n) -> std::optional<std::vector<std::int64_t>> {
+    return ids(first, n / 128);
+  };
+}
+
+hicache::CacheConfig config(std::int64_t pages) {
+  hicache::CacheConfig c;
+  c.capacity_pages = pages;
+  return c;
+}
+
+void drain(hicache::HostPrefixCache& cache) {
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  cache.poll();
+  ASSERT_EQ(cache.stats().transfers_in_flight, 0);
+}
+
+void expect_round_trip(DevicePool& pool, std::int64_t pages, cudaStream_t stream) {
+  hicache::HostPrefixCache cache(pool.segments(), kGpu, config(64));
+  std::vector<std::vector<std::uint8_t>> before;
+  for (std::int64_t b = 0; b < pages; ++b) before.push_back(pool.page(b));
+  const auto prompt = tokens(static_cast<std::size_t>(pages * 128 + 1));
+  EXPECT_EQ(cache.store("a", prompt, ids(0, pages + 1), stream), pages);
+  drain(cache);
+  for (std::int64_t b = 0; b < pages; ++b) pool.clear(32 + b);
+  EXPECT_EQ(cache.try_resume("b", prompt, give(32), stream), pages * 128);
+  drain(cache);
+  for (std::int64_t b = 0; b < pages; ++b) {
+    EXPECT_EQ(pool.page(32 + b), before[static_cast<std::size_t>(b)]) << "page " << b;
+  }
+}
+
+}  // namespace
+
+TEST(CudaCopier, PageMajorRandomBytesRoundTrip) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  DevicePool pool(64, {1 << 20});
+  expect_round_trip(pool, 12, nullptr);
+}
+
+TEST(CudaCopier, LayerMajorManySegmentsRoundTrip) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  DevicePool pool(64, std::vector<std::int64_t>(48, 16 << 10), 4096);
+  expect_round_trip(pool, 9, nullptr);
+}
+
+TEST(CudaCopier, UnalignedSegmentsUseNarrowerVectorsAndStillRoundTrip) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  DevicePool four(64, {1000, 20004, 36}, 8);  // multiples of 4: 4-byte path
+  expect_round_trip(four, 5, nullptr);
+  DevicePool one(64, {1001, 333}, 1);  // odd sizes: byte path
+  expect_round_trip(one, 5, nullptr);
+}
+
+TEST(CudaCopier, NonDefaultStreamWhileAnotherKernelRuns) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  cudaStream_t busy, mine;
+  CK(cudaStreamCreateWithFlags(&busy, cudaStreamNonBlocking));
+  CK(cudaStreamCreateWithFlags(&mine, cudaStreamNonBlocking));
+  spin<<<8, 32, 0, busy>>>(kSpinCycles);
+  DevicePool pool(64, std::vector<std::int64_t>(8, 64 << 10));
+  expect_round_trip(pool, 10, mine);
+  CK(cudaStreamSynchronize(busy));
+  cudaStreamDestroy(busy);
+  cudaStreamDestroy(mine);
+}
+
+TEST(CudaCopier, InFlightStoresAreNotHitAndNotEvicted) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  cudaStream_t s;
+  CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  DevicePool pool(16, {256 << 10});
+  hicache::HostPrefixCache cache(pool.segments(), kGpu, config(2));
+  spin<<<1, 1, 0, s>>>(kSpinCycles);  // the copy queues behind this
+  const auto a = tokens(257), b = tokens(257, 9000);
+  EXPECT_EQ(cache.store("a", a, ids(0, 3), s), 2);
+  EXPECT_EQ(cache.poll(), 0);
+  EXPECT_EQ(cache.try_resume("x", a, give(8), s), 0);
+  EXPECT_EQ(cache.store("b", b, ids(3, 3), s), 0);  // both slots held by the copy in flight
+  EXPECT_EQ(cache.stats().pages_busy, 2);
+  CK(cudaStreamSynchronize(s));
+  EXPECT_EQ(cache.poll(), 1);
+  EXPECT_EQ(cache.try_resume("y", a, give(8), s), 256);
+  CK(cudaStreamSynchronize(s));
+  cache.poll();
+  EXPECT_EQ(cache.store("b", b, ids(3, 3), s), 2);  // idle now: evicted
+  EXPECT_EQ(cache.stats().pages_evicted, 2);
+  drain(cache);
+  EXPECT_EQ(pool.page(8), pool.page(0));
+  cudaStreamDestroy(s);
+}
+
+TEST(CudaCopier, PollRetiresEachStreamIndependently) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  cudaStream_t slow, fast;
+  CK(cudaStreamCreateWithFlags(&slow, cudaStreamNonBlocking));
+  CK(cudaStreamCreateWithFlags(&fast, cudaStreamNonBlocking));
+  DevicePool pool(16, {64 << 10});
+  hicache::HostPrefixCache cache(pool.segments(), kGpu, config(8));
+  spin<<<1, 1, 0, slow>>>(kSpinCycles);
+  cache.store("a", tokens(129), ids(0, 2), slow);
+  cache.store("b", tokens(129, 500), ids(2, 2), fast);
+  CK(cudaStreamSynchronize(fast));
+  EXPECT_EQ(cache.poll(), 1);  // the later transfer completed first
+  EXPECT_EQ(cache.try_resume("c", tokens(129, 500), give(8), fast), 128);
+  EXPECT_EQ(cache.try_resume("d", tokens(129), give(9), fast), 0);
+  CK(cudaStreamSynchronize(slow));
+  EXPECT_EQ(cache.try_resume("e", tokens(129), give(9), fast), 128);
+  drain(cache);
+  cudaStreamDestroy(slow);
+  cudaStreamDestroy(fast);
+}
+
+TEST(CudaCopier, StateGoesThroughADeviceStagingBuffer) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  DevicePool pool(16, {64 << 10});
+  hicache::CacheConfig c = config(8);
+  c.state_bytes = 4096;
+  c.capacity_states = 4;
+  hicache::HostPrefixCache cache(pool.segments(), kGpu, c);
+  void* staging = nullptr;
+  CK(cudaMalloc(&staging, 4096));
+  std::vector<std::uint8_t> expect(4096);
+  for (std::size_t i = 0; i < expect.size(); ++i) expect[i] = static_cast<std::uint8_t>(i * 7);
+  auto exporter = [&](std::int64_t pos) -> std::optional<hicache::DeviceBuffer> {
+    if (pos != 256) return std::nullopt;
+    cudaMemcpy(staging, expect.data(), expect.size(), cudaMemcpyHostToDevice);
+    return hicache::DeviceBuffer{staging, 4096, kGpu};
+  };
+  cache.store("a", tokens(300), ids(0, 3), nullptr, exporter);
+  drain(cache);
+  CK(cudaMemset(staging, 0, 4096));
+  EXPECT_EQ(cache.try_resume("b", tokens(300), give(8), nullptr,
+                             hicache::DeviceBuffer{staging, 4096, kGpu}),
+            256);
+  drain(cache);
+  std::vector<std::uint8_t> got(4096);
+  CK(cudaMemcpy(got.data(), staging, got.size(), cudaMemcpyDeviceToHost));
+  EXPECT_EQ(got, expect);
+  cudaFree(staging);
+}
+
+TEST(CudaCopier, BadBlockIdsAndHostPointersAreRejectedBeforeAnyLaunch) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  DevicePool pool(8, {4096});
+  hicache::HostPrefixCache cache(pool.segments(), kGpu, config(8));
+  cache.store("a", tokens(257), ids(0, 3));
+  drain(cache);
+  const auto before = pool.page(7);
+  auto bad = [](std::int64_t) -> std::optional<std::vector<std::int64_t>> {
+    return std::vector<std::int64_t>{7, 8};
+  };
+  EXPECT_THROW(cache.try_resume("b", tokens(257), bad), std::out_of_range);
+  drain(cache);
+  EXPECT_EQ(pool.page(7), before);
+  std::vector<char> host(8 * 4096);
+  std::vector<hicache::Segment> on_host{{host.data(), 8, 4096, 4096}};
+  EXPECT_THROW(hicache::HostPrefixCache(on_host, kGpu, config(4)), std::invalid_argument);
+  EXPECT_THROW(hicache::make_cuda_copier(99), std::invalid_argument);
+}

@@ -1,0 +1,125 @@
+"""The CUDA path through the Python API, on torch CUDA tensors. Skipped without a GPU."""
+
+from __future__ import annotations
+
+import pytest
+
+import hicache
+from conftest import requires_gpu
+
+torch = pytest.importorskip("torch")
+pytestmark = requires_gpu
+B = 128
+
+
+def random_(t: torch.Tensor) -> torch.Tensor:
+    raw = torch.randint(0, 256, (t.numel() * t.element_size(),), dtype=torch.uint8, device=t.device)
+    t.copy_(raw.view(t.dtype).view(t.shape))
+    return t
+
+
+def pages(segments: list[torch.Tensor], blocks: list[int]) -> list[torch.Tensor]:
+    return [torch.cat([s[b].reshape(-1).view(torch.uint8) for s in segments]) for b in blocks]
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: [torch.empty(64, 4, B, 2, 64, dtype=torch.bfloat16, device="cuda")],  # page-major
+        lambda: [torch.empty(64, B, 8, 128, dtype=torch.bfloat16, device="cuda") for _ in range(8)],
+        lambda: list(torch.empty(2, 64, B, 4, 64, dtype=torch.float16, device="cuda").unbind(0)),
+    ],
+    ids=["page-major", "layer-major", "kv-views"],
+)
+def test_random_bytes_round_trip_on_the_gpu(make) -> None:
+    segments = [random_(s) for s in make()]
+    cache = hicache.HostPrefixCache(segments, block_tokens=B, capacity_pages=32)
+    prompt = torch.arange(10 * B + 5)
+    before = pages(segments, list(range(10)))
+    assert cache.store("a", prompt, list(range(11))) == 10
+    torch.cuda.synchronize()
+    cache.poll()
+    for s in segments:
+        s[20:].zero_()
+    assert cache.try_resume("b", prompt, lambda n: list(range(20, 20 + n // B))) == 10 * B
+    torch.cuda.synchronize()
+    for a, b in zip(before, pages(segments, list(range(20, 30))), strict=True):
+        assert torch.equal(a, b)
+    assert not any(s[30:].view(torch.uint8).any() for s in segments)
+
+
+def test_store_and_resume_on_a_side_stream_while_a_matmul_runs() -> None:
+    segments = [random_(torch.empty(64, B, 8, 128, dtype=torch.bfloat16, device="cuda")) for _ in range(4)]
+    cache = hicache.HostPrefixCache(segments, block_tokens=B, capacity_pages=32)
+    x = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    side = torch.cuda.Stream()
+    before = pages(segments, list(range(8)))
+    torch.cuda.synchronize()
+    for _ in range(3):
+        y = x @ x
+    with torch.cuda.stream(side):  # the cache takes torch's current stream by default
+        cache.store("a", torch.arange(8 * B + 1), list(range(9)))
+    side.synchronize()
+    cache.poll()
+    for s in segments:
+        s[32:40].zero_()
+    torch.cuda.synchronize()
+    for _ in range(3):
+        y = x @ x  # noqa: F841
+    assert cache.try_resume("b", torch.arange(8 * B + 1), lambda n: list(range(32, 40)), stream=side) == 8 * B
+    side.synchronize()
+    for a, b in zip(before, pages(segments, list(range(32, 40))), strict=True):
+        assert torch.equal(a, b)
+    torch.cuda.synchronize()
+
+
+def test_pages_in_flight_are_neither_hit_nor_evicted() -> None:
+    seg = random_(torch.empty(16, B, 1024, dtype=torch.float16, device="cuda"))
+    cache = hicache.HostPrefixCache(seg, block_tokens=B, capacity_pages=2)
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        torch.cuda._sleep(200_000_000)  # the copy queues behind ~0.1 s of spinning
+        assert cache.store("a", torch.arange(2 * B + 1), [0, 1, 2]) == 2
+        assert cache.try_resume("x", torch.arange(2 * B + 1), lambda n: [8, 9]) == 0
+        assert cache.store("b", torch.arange(2 * B + 1) + 7, [3, 4, 5]) == 0
+    assert cache.stats().pages_busy == 2
+    s.synchronize()
+    assert cache.poll() == 1
+    assert cache.try_resume("y", torch.arange(2 * B + 1), lambda n: [8, 9], stream=s) == 2 * B
+    s.synchronize()
+    assert torch.equal(seg[8], seg[0]) and torch.equal(seg[9], seg[1])
+
+
+def test_state_through_a_cuda_staging_tensor() -> None:
+    seg = torch.zeros(16, B, 64, dtype=torch.bfloat16, device="cuda")
+    cache = hicache.HostPrefixCache(
+        seg, block_tokens=B, capacity_pages=8, state_bytes=8192, capacity_states=2
+    )
+    staging = torch.empty(4096, dtype=torch.bfloat16, device="cuda")
+    want = torch.randn(4096, device="cuda").to(torch.bfloat16)
+
+    def export(pos: int) -> torch.Tensor | None:
+        if pos != 2 * B:
+            return None
+        staging.copy_(want)
+        return staging
+
+    cache.store("a", torch.arange(2 * B + 9), [0, 1, 2], state_export=export)
+    torch.cuda.synchronize()
+    staging.zero_()
+    assert cache.try_resume("b", torch.arange(2 * B + 9), lambda n: [5, 6], state_out=staging) == 2 * B
+    torch.cuda.synchronize()
+    assert torch.equal(staging, want)
+    with pytest.raises(ValueError, match="state_out must be 8192 bytes on cuda:0"):
+        cache.try_resume(
+            "c", torch.arange(2 * B + 9), lambda n: [5, 6], state_out=torch.empty(4096, dtype=torch.bfloat16)
+        )
+
+
+def test_cuda_segments_must_share_one_device_and_blocks_are_checked() -> None:
+    seg = torch.zeros(8, B, 64, dtype=torch.float16, device="cuda")
+    with pytest.raises(ValueError, match="segment 1 is on cpu"):
+        hicache.HostPrefixCache([seg, torch.zeros(8, B, 64)], block_tokens=B, capacity_pages=4)
+    cache = hicache.HostPrefixCache(seg, block_tokens=B, capacity_pages=4)
+    with pytest.raises(IndexError, match="block id 8"):
+        cache.store("a", torch.arange(B + 1), [8])
