@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# Everything that needs the GPU, in one call on the device machine: build (C++ tests, benchmark,
+# Python wheel for sm_90), run every GPU test (GoogleTest + pytest), compute-sanitizer memcheck and
+# racecheck over the GPU tests, then the transfer benchmarks. Logs under $OUT; a short table last.
+#
+# GoogleTest is not on the device image: the googletest source package travels as .deps/*.deb
+# (see scripts/fetch_gpu_deps.sh) and is built here.
+#
+# usage: scripts/gpu_run.sh [test|bench|all]   (builds always; incremental on a warm machine)
+set -uo pipefail
+phase=${1:-all}
+OUT=${OUT:-$PWD/build/gpu-out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 CMAKE_BUILD_PARALLEL_LEVEL=16
+summary=()
+run() {  # run NAME COMMAND...: log to $OUT/NAME.log, remember the outcome
+  local name=$1; shift
+  local t0=$(date +%s)
+  "$@" >"$OUT/$name.log" 2>&1
+  local rc=$?
+  summary+=("$(printf '%-28s %-5s %4ss' "$name" "$([ $rc = 0 ] && echo ok || echo FAIL:$rc)" $(( $(date +%s) - t0 )))")
+  tail -3 "$OUT/$name.log"
+  return $rc
+}
+
+gt=/tmp/gtest
+if [ ! -d $gt/install ]; then
+  run gtest-build bash -c "mkdir -p $gt && dpkg -x .deps/googletest_*.deb $gt/src && \
+    cmake -S $gt/src/usr/src/googletest -B $gt/build -G Ninja -DCMAKE_INSTALL_PREFIX=$gt/install \
+      -DBUILD_GMOCK=OFF && cmake --build $gt/build && cmake --install $gt/build"
+fi
+
+run build-cpp bash -c "cmake -S . -B build/gpu -G Ninja -DHICACHE_BUILD_TESTS=ON -DHICACHE_BUILD_BENCH=ON \
+  -DHICACHE_BUILD_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DGTest_DIR=$gt/install/lib/cmake/GTest && \
+  cmake --build build/gpu"
+run build-wheel python3 -m pip install -q --no-build-isolation --no-deps \
+  --config-settings=cmake.define.CMAKE_CUDA_ARCHITECTURES=90 --config-settings=build-dir=build/gpu-wheel .
+python3 -c "import hicache; print('cuda_available', hicache.cuda_available())" | tee "$OUT/cuda_available.txt"
+
+if [ "$phase" = test ] || [ "$phase" = all ]; then
+run ctest bash -c "cd build/gpu && ctest --output-on-failure"
+run pytest bash -c "cd tests/py && python3 -m pytest -q -rs -p no:cacheprovider ."
+run memcheck-cpp compute-sanitizer --tool memcheck --error-exitcode 9 build/gpu/hicache_tests --gtest_filter='CudaCopier.*'
+run racecheck-cpp compute-sanitizer --tool racecheck --error-exitcode 9 build/gpu/hicache_tests --gtest_filter='CudaCopier.*'
+run synccheck-cpp compute-sanitizer --tool synccheck --error-exitcode 9 build/gpu/hicache_tests --gtest_filter='CudaCopier.*'
+run memcheck-py bash -c "cd tests/py && compute-sanitizer --tool memcheck --error-exitcode 9 \
+  python3 -m pytest -q -p no:cacheprovider test_cuda.py -k 'not matmul'"
+fi
+
+if [ "$phase" = bench ] || [ "$phase" = all ]; then
+run bench-transfer build/gpu/hicache_bench_transfer --pool-gib ${POOL_GIB:-32} --out "$OUT/bench_transfer.md"
+run bench-matmul python3 bench/transfer_matmul.py
+cp "$OUT/bench-matmul.log" "$OUT/bench_matmul.md" 2>/dev/null
+fi
+
+echo; cat "$OUT/bench_transfer.md" 2>/dev/null; echo; cat "$OUT/bench_matmul.md" 2>/dev/null
+echo; printf '%s\n' "${summary[@]}"
