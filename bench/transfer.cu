@@ -26,14 +26,13 @@
 
 namespace {
 
-#define CK(call)                                                                     \
-  do {                                                                               \
-    cudaError_t e_ = (call);                                                         \
-    if (e_ != cudaSuccess) {                                                         \
-      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #call,              \
-                   cudaGetErrorString(e_));                                          \
-      std::exit(1);                                                                  \
-    }                                                                                \
+#define CK(call)                                                                                 \
+  do {                                                                                           \
+    cudaError_t e_ = (call);                                                                     \
+    if (e_ != cudaSuccess) {                                                                     \
+      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(e_)); \
+      std::exit(1);                                                                              \
+    }                                                                                            \
   } while (0)
 
 struct Geometry {
@@ -78,7 +77,8 @@ double median_wall_ms(F&& f) {
     auto t0 = std::chrono::steady_clock::now();
     f();
     CK(cudaDeviceSynchronize());
-    t.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
+    t.push_back(
+        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
   }
   std::sort(t.begin(), t.end());
   return t[t.size() / 2];
@@ -105,11 +105,12 @@ struct Setup {
       CK(cudaMemset(p, s + 1, static_cast<std::size_t>(num_blocks * g.block_bytes)));
       segs.push_back({p, num_blocks, g.block_bytes, g.block_bytes});
     }
-    layout = std::make_unique<hicache::PageLayout>(segs, hicache::Device{hicache::DeviceKind::kCuda, 0});
+    layout =
+        std::make_unique<hicache::PageLayout>(segs, hicache::Device{hicache::DeviceKind::kCuda, 0});
     copier = hicache::make_cuda_copier(0, {cuda_blocks, 1024});
     copier->bind(*layout);
-    pool = std::make_unique<hicache::HostPool>(layout->page_bytes(), 2 * g.pages, std::size_t{1} << 30,
-                                               copier->host_allocator());
+    pool = std::make_unique<hicache::HostPool>(layout->page_bytes(), 2 * g.pages,
+                                               std::size_t{1} << 30, copier->host_allocator());
     std::vector<std::int64_t> perm(static_cast<std::size_t>(num_blocks));
     std::iota(perm.begin(), perm.end(), 0);
     std::shuffle(perm.begin(), perm.end(), std::mt19937(1));
@@ -123,7 +124,8 @@ struct Setup {
     pool.reset();
     for (auto& s : segs) cudaFree(s.base);
   }
-  void chunks(bool to_host, std::vector<void*>& src, std::vector<void*>& dst, std::vector<std::size_t>& n) {
+  void chunks(bool to_host, std::vector<void*>& src, std::vector<void*>& dst,
+              std::vector<std::size_t>& n) {
     for (const auto& m : moves) {
       for (std::size_t s = 0; s < segs.size(); ++s) {
         void* dev = layout->block_address(s, m.block);
@@ -149,13 +151,16 @@ void bench_geometry(const Geometry& g, cudaStream_t s, cudaStream_t s2) {
   // Correctness first: a round trip through our kernel must return the bytes.
   st.copier->copy_pages(hicache::Direction::kToHost, *st.layout, st.moves, s);
   std::vector<hicache::PageMove> back;
-  for (std::size_t i = 0; i < st.moves.size(); ++i) back.push_back({st.moves2[i].block, st.moves[i].host});
+  for (std::size_t i = 0; i < st.moves.size(); ++i)
+    back.push_back({st.moves2[i].block, st.moves[i].host});
   st.copier->copy_pages(hicache::Direction::kToDevice, *st.layout, back, s);
   CK(cudaStreamSynchronize(s));
   for (std::size_t seg : {std::size_t{0}, st.segs.size() - 1}) {
     std::vector<char> a(static_cast<std::size_t>(g.block_bytes)), b(a.size());
-    CK(cudaMemcpy(a.data(), st.layout->block_address(seg, st.moves.back().block), a.size(), cudaMemcpyDeviceToHost));
-    CK(cudaMemcpy(b.data(), st.layout->block_address(seg, st.moves2.back().block), b.size(), cudaMemcpyDeviceToHost));
+    CK(cudaMemcpy(a.data(), st.layout->block_address(seg, st.moves.back().block), a.size(),
+                  cudaMemcpyDeviceToHost));
+    CK(cudaMemcpy(b.data(), st.layout->block_address(seg, st.moves2.back().block), b.size(),
+                  cudaMemcpyDeviceToHost));
     if (a != b) {
       std::fprintf(stderr, "%s: round trip through the kernel differs\n", g.name);
       std::exit(1);
@@ -168,7 +173,8 @@ void bench_geometry(const Geometry& g, cudaStream_t s, cudaStream_t s2) {
       CK(to_host ? cudaMemcpyAsync(host_flat, dev_flat, st.bytes, cudaMemcpyDeviceToHost, s)
                  : cudaMemcpyAsync(dev_flat, host_flat, st.bytes, cudaMemcpyHostToDevice, s));
     });
-    const double ours_ms = median_ms(s, [&] { st.copier->copy_pages(dir, *st.layout, st.moves, s); });
+    const double ours_ms =
+        median_ms(s, [&] { st.copier->copy_pages(dir, *st.layout, st.moves, s); });
 
     std::vector<void*> src, dst;
     std::vector<std::size_t> n;
@@ -182,11 +188,13 @@ void bench_geometry(const Geometry& g, cudaStream_t s, cudaStream_t s2) {
     CK(cudaMemcpy(d_dst, dst.data(), dst.size() * sizeof(void*), cudaMemcpyHostToDevice));
     CK(cudaMemcpy(d_n, n.data(), n.size() * sizeof(std::size_t), cudaMemcpyHostToDevice));
     std::size_t temp_bytes = 0;
-    CK(cub::DeviceMemcpy::Batched(nullptr, temp_bytes, d_src, d_dst, d_n, static_cast<std::int64_t>(n.size()), s));
+    CK(cub::DeviceMemcpy::Batched(nullptr, temp_bytes, d_src, d_dst, d_n,
+                                  static_cast<std::int64_t>(n.size()), s));
     void* temp;
     CK(cudaMalloc(&temp, temp_bytes));
     const double cub_ms = median_ms(s, [&] {
-      CK(cub::DeviceMemcpy::Batched(temp, temp_bytes, d_src, d_dst, d_n, static_cast<std::int64_t>(n.size()), s));
+      CK(cub::DeviceMemcpy::Batched(temp, temp_bytes, d_src, d_dst, d_n,
+                                    static_cast<std::int64_t>(n.size()), s));
     });
     cudaMemcpyAttributes attr{};
     attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
@@ -201,10 +209,12 @@ void bench_geometry(const Geometry& g, cudaStream_t s, cudaStream_t s2) {
 
     char line[512];
     std::snprintf(line, sizeof line,
-                  "| %s | %s | %.2f GB, %zu chunks of %lld KiB | %.1f | **%.1f (%.3f)** | %.1f (%.3f) | %.1f (%.3f) |\n",
+                  "| %s | %s | %.2f GB, %zu chunks of %lld KiB | %.1f | **%.1f (%.3f)** | %.1f "
+                  "(%.3f) | %.1f (%.3f) |\n",
                   g.name, to_host ? "D2H (store)" : "H2D (load)", B / 1e9, n.size(),
                   static_cast<long long>(g.block_bytes >> 10), gbps(B, ceil_ms), gbps(B, ours_ms),
-                  ceil_ms / ours_ms, gbps(B, cub_ms), ceil_ms / cub_ms, gbps(B, batch_ms), ceil_ms / batch_ms);
+                  ceil_ms / ours_ms, gbps(B, cub_ms), ceil_ms / cub_ms, gbps(B, batch_ms),
+                  ceil_ms / batch_ms);
     report << line;
   }
 
@@ -218,8 +228,9 @@ void bench_geometry(const Geometry& g, cudaStream_t s, cudaStream_t s2) {
     st.copier->copy_pages(hicache::Direction::kToDevice, *st.layout, st.moves2, s2);
   });
   char line[256];
-  std::snprintf(line, sizeof line, "| %s | both at once | %.2f GB each way | %.1f | **%.1f (%.3f)** | | |\n",
-                g.name, B / 1e9, gbps(2 * B, two_ceil), gbps(2 * B, two_ours), two_ceil / two_ours);
+  std::snprintf(line, sizeof line,
+                "| %s | both at once | %.2f GB each way | %.1f | **%.1f (%.3f)** | | |\n", g.name,
+                B / 1e9, gbps(2 * B, two_ceil), gbps(2 * B, two_ours), two_ceil / two_ours);
   report << line;
 
   cudaFree(dev_flat);
@@ -233,43 +244,44 @@ void bench_grid(const Geometry& g, cudaStream_t s) {
   for (int blocks : {1, 2, 4, 8, 16}) {
     Setup st(g, blocks);
     const double B = static_cast<double>(st.bytes);
-    const double h2d = median_ms(s, [&] {
-      st.copier->copy_pages(hicache::Direction::kToDevice, *st.layout, st.moves, s);
-    });
-    const double d2h = median_ms(s, [&] {
-      st.copier->copy_pages(hicache::Direction::kToHost, *st.layout, st.moves, s);
-    });
+    const double h2d = median_ms(
+        s, [&] { st.copier->copy_pages(hicache::Direction::kToDevice, *st.layout, st.moves, s); });
+    const double d2h = median_ms(
+        s, [&] { st.copier->copy_pages(hicache::Direction::kToHost, *st.layout, st.moves, s); });
     char line[128];
-    std::snprintf(line, sizeof line, "| %d%s | %.1f | %.1f |\n", blocks, blocks == 4 ? " (default)" : "",
-                  gbps(B, h2d), gbps(B, d2h));
+    std::snprintf(line, sizeof line, "| %d%s | %.1f | %.1f |\n", blocks,
+                  blocks == 4 ? " (default)" : "", gbps(B, h2d), gbps(B, d2h));
     report << line;
   }
 }
 
 void bench_pinning(double gib) {
-  report << "\n| pinned pool of " << gib << " GiB | chunk | seconds | GB/s |\n| --- | --- | --- | --- |\n";
+  report << "\n| pinned pool of " << gib
+         << " GiB | chunk | seconds | GB/s |\n| --- | --- | --- | --- |\n";
   const std::size_t bytes = static_cast<std::size_t>(gib * (1ull << 30));
   struct Mode {
     const char* name;
     hicache::cuda::PinMode mode;
     std::size_t chunk;
   };
-  for (const Mode& m : {Mode{"cudaHostAlloc", hicache::cuda::PinMode::kHostAlloc, std::size_t{256} << 20},
-                        Mode{"cudaHostAlloc", hicache::cuda::PinMode::kHostAlloc, std::size_t{1} << 30},
-                        Mode{"mmap + parallel fault + cudaHostRegister", hicache::cuda::PinMode::kRegister,
-                             std::size_t{256} << 20},
-                        Mode{"mmap + parallel fault + cudaHostRegister", hicache::cuda::PinMode::kRegister,
-                             std::size_t{1} << 30}}) {
+  for (const Mode& m :
+       {Mode{"cudaHostAlloc", hicache::cuda::PinMode::kHostAlloc, std::size_t{256} << 20},
+        Mode{"cudaHostAlloc", hicache::cuda::PinMode::kHostAlloc, std::size_t{1} << 30},
+        Mode{"mmap + parallel fault + cudaHostRegister", hicache::cuda::PinMode::kRegister,
+             std::size_t{256} << 20},
+        Mode{"mmap + parallel fault + cudaHostRegister", hicache::cuda::PinMode::kRegister,
+             std::size_t{1} << 30}}) {
     auto alloc = hicache::cuda::make_pinned_allocator(m.mode);
     const std::size_t slot = std::size_t{16} << 20;  // Llama-3-8B page
     const auto t0 = std::chrono::steady_clock::now();
     {
       hicache::HostPool pool(slot, static_cast<std::int64_t>(bytes / slot), m.chunk, alloc);
       for (std::int64_t i = 0; i < pool.num_slots(); ++i) pool.slot(i);
-      const double sec = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      const double sec =
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
       char line[256];
-      std::snprintf(line, sizeof line, "| %s | %zu MiB | %.2f | %.1f |\n", m.name, m.chunk >> 20, sec,
-                    static_cast<double>(pool.allocated_bytes()) / sec / 1e9);
+      std::snprintf(line, sizeof line, "| %s | %zu MiB | %.2f | %.1f |\n", m.name, m.chunk >> 20,
+                    sec, static_cast<double>(pool.allocated_bytes()) / sec / 1e9);
       report << line;
     }
   }
@@ -282,9 +294,12 @@ int main(int argc, char** argv) {
   std::string out;
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
-    if (a == "--pool-gib" && i + 1 < argc) pool_gib = std::atof(argv[++i]);
-    else if (a == "--reps" && i + 1 < argc) reps = std::atoi(argv[++i]);
-    else if (a == "--out" && i + 1 < argc) out = argv[++i];
+    if (a == "--pool-gib" && i + 1 < argc)
+      pool_gib = std::atof(argv[++i]);
+    else if (a == "--reps" && i + 1 < argc)
+      reps = std::atoi(argv[++i]);
+    else if (a == "--out" && i + 1 < argc)
+      out = argv[++i];
     else {
       std::fprintf(stderr, "usage: %s [--pool-gib N] [--reps N] [--out FILE]\n", argv[0]);
       return 2;
@@ -296,14 +311,17 @@ int main(int argc, char** argv) {
   CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
   CK(cudaStreamCreateWithFlags(&s2, cudaStreamNonBlocking));
   const Geometry geos[] = {
-      {"Llama-3-8B bf16, layer-major", 64, 256 << 10, 64},       // 32 layers x K,V; 16 MiB a page
+      {"Llama-3-8B bf16, layer-major", 64, 256 << 10, 64},  // 32 layers x K,V; 16 MiB a page
       {"DeepSeek-V3 MLA fp8, page-major", 1, 61 * 576 * 128, 240},  // 4.5 MB a page
-      {"small model, 16 KiB chunks", 48, 16 << 10, 1365},          // 24 layers x K,V
+      {"small model, 16 KiB chunks", 48, 16 << 10, 1365},           // 24 layers x K,V
   };
-  report << "Device: " << prop.name << ", " << prop.multiProcessorCount << " SMs. Median of " << reps
-         << " runs; ratio = ceiling time / our time (1.0 = the contiguous cudaMemcpyAsync rate).\n\n"
-         << "| geometry | direction | bytes | contiguous cudaMemcpyAsync GB/s | hicache kernel GB/s (ratio) "
-            "| cub::DeviceMemcpy::Batched | cudaMemcpyBatchAsync |\n| --- | --- | --- | --- | --- | --- | --- |\n";
+  report
+      << "Device: " << prop.name << ", " << prop.multiProcessorCount << " SMs. Median of " << reps
+      << " runs; ratio = ceiling time / our time (1.0 = the contiguous cudaMemcpyAsync rate).\n\n"
+      << "| geometry | direction | bytes | contiguous cudaMemcpyAsync GB/s | hicache kernel GB/s "
+         "(ratio) "
+         "| cub::DeviceMemcpy::Batched | cudaMemcpyBatchAsync |\n| --- | --- | --- | --- | --- | "
+         "--- | --- |\n";
   for (const auto& g : geos) {
     std::fprintf(stderr, "bench: %s\n", g.name);
     bench_geometry(g, s, s2);

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+from collections.abc import Callable
 
 import torch
 
@@ -17,7 +18,7 @@ import hicache
 B = 128
 
 
-def timed(stream: torch.cuda.Stream, fn, reps: int) -> float:  # noqa: ANN001
+def timed(stream: torch.cuda.Stream, fn: Callable[[], object], reps: int) -> float:
     times = []
     for _ in range(reps):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -79,8 +80,12 @@ def main() -> None:
         big.store("w", prompts[flip[0]], list(range(flip[0] * n, (flip[0] + 1) * n + 1)), stream=side)
 
     rows = []
-    for name, fn in [("hicache load (H2D)", load), ("hicache store (D2H)", store),
-                     ("cudaMemcpyAsync H2D", dma_h2d), ("cudaMemcpyAsync D2H", dma_d2h)]:
+    for name, fn in [
+        ("hicache load (H2D)", load),
+        ("hicache store (D2H)", store),
+        ("cudaMemcpyAsync H2D", dma_h2d),
+        ("cudaMemcpyAsync D2H", dma_d2h),
+    ]:
         copy_alone = timed(side, fn, 10)
         torch.cuda.synchronize()
         k = max(4, int(args.matmuls * alone / copy_alone) + 4)  # copies outlast the matmuls
@@ -99,8 +104,11 @@ def main() -> None:
         copy_bw = k * batch_bytes / (c0.elapsed_time(c1) * 1e6)
         rows.append((name, batch_bytes / (copy_alone * 1e6), copy_bw, per_mm / alone - 1))
         cache.poll()
-    print(f"bf16 8192^3 matmul alone: {alone:.3f} ms ({flops:.0f} TFLOP/s); copies of {batch_bytes / 1e9:.2f} GB "
-          f"({n} pages of {page_bytes >> 20} MiB), hicache kernel with {args.cuda_blocks} CTAs\n")
+    print(
+        f"bf16 8192^3 matmul alone: {alone:.3f} ms ({flops:.0f} TFLOP/s); copies of "
+        f"{batch_bytes / 1e9:.2f} GB ({n} pages of {page_bytes >> 20} MiB), "
+        f"hicache kernel with {args.cuda_blocks} CTAs\n"
+    )
     print("| copy on a side stream | alone GB/s | beside the matmul GB/s | matmul slowdown |")
     print("| --- | --- | --- | --- |")
     for name, bw_alone, bw, slow in rows:

@@ -26,8 +26,8 @@ step "python environment ($venv)"
 export PATH=$venv/bin:$PATH
 
 step "lint: ruff, clang-format"
-ruff check python tests
-clang-format --dry-run -Werror $(git ls-files 'cpp/*.hpp' 'cpp/*.cpp' 'cpp/*.cu' 'cpp/*.cuh' 'tests/cpp/*.cpp' 'examples/*.cpp')
+ruff check python tests bench
+clang-format --dry-run -Werror $(git ls-files '*.hpp' '*.cpp' '*.cu' '*.cuh')
 
 step "C++: build and run the GoogleTest suite"
 cmake -S . -B build/cpp -G Ninja -DHICACHE_BUILD_TESTS=ON >"$logs/cmake-cpp.log"

@@ -96,8 +96,8 @@ class CudaCopier final : public Copier {
     DeviceGuard g(device_);
     const auto& segs = layout.segments();
     if (segs.size() > static_cast<std::size_t>(kMaxSegments)) {
-      throw std::invalid_argument("the CUDA copier takes at most " +
-                                  std::to_string(kMaxSegments) + " segments");
+      throw std::invalid_argument("the CUDA copier takes at most " + std::to_string(kMaxSegments) +
+                                  " segments");
     }
     std::size_t align = 16;
     for (std::size_t s = 0; s < segs.size(); ++s) {
@@ -138,7 +138,8 @@ class CudaCopier final : public Copier {
     auto s = static_cast<cudaStream_t>(stream);
     for (std::size_t first = 0; first < moves.size(); first += kMaxMovesPerLaunch) {
       MoveBatch batch;
-      batch.count = static_cast<int>(std::min<std::size_t>(kMaxMovesPerLaunch, moves.size() - first));
+      batch.count =
+          static_cast<int>(std::min<std::size_t>(kMaxMovesPerLaunch, moves.size() - first));
       for (int i = 0; i < batch.count; ++i) {
         batch.blocks[i] = moves[first + i].block;
         batch.hosts[i] = reinterpret_cast<char*>(moves[first + i].host);
@@ -147,11 +148,14 @@ class CudaCopier final : public Copier {
       const int blocks = static_cast<int>(std::min<long long>(opt_.max_blocks, work));
       const bool to_host = dir == Direction::kToHost;
       if (vec_ == 16) {
-        to_host ? launch<uint4, true>(table_, nseg_, tiles_per_page_, batch, blocks, opt_.threads, s)
-                : launch<uint4, false>(table_, nseg_, tiles_per_page_, batch, blocks, opt_.threads, s);
+        to_host
+            ? launch<uint4, true>(table_, nseg_, tiles_per_page_, batch, blocks, opt_.threads, s)
+            : launch<uint4, false>(table_, nseg_, tiles_per_page_, batch, blocks, opt_.threads, s);
       } else if (vec_ == 4) {
-        to_host ? launch<unsigned, true>(table_, nseg_, tiles_per_page_, batch, blocks, opt_.threads, s)
-                : launch<unsigned, false>(table_, nseg_, tiles_per_page_, batch, blocks, opt_.threads, s);
+        to_host
+            ? launch<unsigned, true>(table_, nseg_, tiles_per_page_, batch, blocks, opt_.threads, s)
+            : launch<unsigned, false>(table_, nseg_, tiles_per_page_, batch, blocks, opt_.threads,
+                                      s);
       } else {
         to_host ? launch<unsigned char, true>(table_, nseg_, tiles_per_page_, batch, blocks,
                                               opt_.threads, s)

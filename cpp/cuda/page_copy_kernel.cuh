@@ -13,11 +13,11 @@
 namespace hicache::cuda {
 
 struct SegmentDesc {
-  char* base;               // device address of block 0
-  long long stride;         // bytes from one block to the next
-  long long bytes;          // bytes of one block
-  long long host_offset;    // where the segment's bytes start in a host page
-  long long first_tile;     // tiles of the earlier segments, within one page
+  char* base;             // device address of block 0
+  long long stride;       // bytes from one block to the next
+  long long bytes;        // bytes of one block
+  long long host_offset;  // where the segment's bytes start in a host page
+  long long first_tile;   // tiles of the earlier segments, within one page
 };
 
 constexpr int kMaxSegments = 1024;

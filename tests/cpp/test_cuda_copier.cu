@@ -3,6 +3,7 @@
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <cstring>
 #include <random>
 #include <vector>
@@ -155,20 +156,25 @@ TEST(CudaCopier, InFlightStoresAreNotHitAndNotEvicted) {
   CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
   DevicePool pool(16, {256 << 10});
   hicache::HostPrefixCache cache(pool.segments(), kGpu, config(2));
-  spin<<<1, 1, 0, s>>>(kSpinCycles);  // the copy queues behind this
+  cache.store("w", tokens(257, 5000), ids(6, 3), s);  // pins the pool's chunk
+  drain(cache);
+  spin<<<1, 1, 0, s>>>(kSpinCycles);  // the copies queue behind this
+  CK(cudaGetLastError());
   const auto a = tokens(257), b = tokens(257, 9000);
   EXPECT_EQ(cache.store("a", a, ids(0, 3), s), 2);
+  ASSERT_EQ(cudaStreamQuery(s), cudaErrorNotReady) << "the spin kernel ended too early";
   EXPECT_EQ(cache.poll(), 0);
   EXPECT_EQ(cache.try_resume("x", a, give(8), s), 0);
   EXPECT_EQ(cache.store("b", b, ids(3, 3), s), 0);  // both slots held by the copy in flight
   EXPECT_EQ(cache.stats().pages_busy, 2);
+  ASSERT_EQ(cudaStreamQuery(s), cudaErrorNotReady) << "the spin kernel ended too early";
   CK(cudaStreamSynchronize(s));
   EXPECT_EQ(cache.poll(), 1);
   EXPECT_EQ(cache.try_resume("y", a, give(8), s), 256);
   CK(cudaStreamSynchronize(s));
   cache.poll();
   EXPECT_EQ(cache.store("b", b, ids(3, 3), s), 2);  // idle now: evicted
-  EXPECT_EQ(cache.stats().pages_evicted, 2);
+  EXPECT_EQ(cache.stats().pages_evicted, 4);        // w's two pages, then a's
   drain(cache);
   EXPECT_EQ(pool.page(8), pool.page(0));
   cudaStreamDestroy(s);
@@ -181,10 +187,14 @@ TEST(CudaCopier, PollRetiresEachStreamIndependently) {
   CK(cudaStreamCreateWithFlags(&fast, cudaStreamNonBlocking));
   DevicePool pool(16, {64 << 10});
   hicache::HostPrefixCache cache(pool.segments(), kGpu, config(8));
+  cache.store("w", tokens(129, 7000), ids(12, 2), fast);  // pins the pool's chunk
+  drain(cache);
   spin<<<1, 1, 0, slow>>>(kSpinCycles);
+  CK(cudaGetLastError());
   cache.store("a", tokens(129), ids(0, 2), slow);
   cache.store("b", tokens(129, 500), ids(2, 2), fast);
   CK(cudaStreamSynchronize(fast));
+  ASSERT_EQ(cudaStreamQuery(slow), cudaErrorNotReady) << "the spin kernel ended too early";
   EXPECT_EQ(cache.poll(), 1);  // the later transfer completed first
   EXPECT_EQ(cache.try_resume("c", tokens(129, 500), give(8), fast), 128);
   EXPECT_EQ(cache.try_resume("d", tokens(129), give(9), fast), 0);
@@ -193,6 +203,26 @@ TEST(CudaCopier, PollRetiresEachStreamIndependently) {
   drain(cache);
   cudaStreamDestroy(slow);
   cudaStreamDestroy(fast);
+}
+
+TEST(CudaCopier, FirstStoreDoesNotWaitForTheEnginesStream) {
+  // The first store into a pool chunk pins it. Pinning must not make the engine's thread wait
+  // for work already queued on the GPU.
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  cudaStream_t s;
+  CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  DevicePool pool(16, {256 << 10});
+  hicache::HostPrefixCache cache(pool.segments(), kGpu, config(8));
+  spin<<<1, 1, 0, s>>>(kSpinCycles);
+  CK(cudaGetLastError());
+  const auto t0 = std::chrono::steady_clock::now();
+  EXPECT_EQ(cache.store("a", tokens(257), ids(0, 3), s), 2);
+  const double ms =
+      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_EQ(cudaStreamQuery(s), cudaErrorNotReady) << "store took " << ms << " ms";
+  EXPECT_LT(ms, 30.0);
+  drain(cache);
+  cudaStreamDestroy(s);
 }
 
 TEST(CudaCopier, StateGoesThroughADeviceStagingBuffer) {
