@@ -41,12 +41,15 @@ HostPrefixCache::HostPrefixCache(std::vector<Segment> segments, Device device, C
   }
   copier_->bind(layout_);
   auto alloc = copier_->host_allocator();
+  // Pinning waits for the device: such pools grow ahead of use, off the engine's thread.
+  const auto growth =
+      alloc->waits_for_device() ? HostPool::Growth::kAhead : HostPool::Growth::kOnDemand;
   page_pool_ = std::make_unique<HostPool>(layout_.page_bytes(), config_.capacity_pages,
-                                          config_.pool_chunk_bytes, alloc);
+                                          config_.pool_chunk_bytes, alloc, growth);
   if (config_.state_bytes > 0) {
-    state_pool_ =
-        std::make_unique<HostPool>(static_cast<std::size_t>(config_.state_bytes),
-                                   config_.capacity_states, config_.pool_chunk_bytes, alloc);
+    state_pool_ = std::make_unique<HostPool>(static_cast<std::size_t>(config_.state_bytes),
+                                             config_.capacity_states, config_.pool_chunk_bytes,
+                                             alloc, growth);
   }
 }
 
@@ -335,6 +338,8 @@ std::int64_t HostPrefixCache::store(std::string_view request_id,
       host = page_pool_->slot(e->slot);
     } catch (const Error& err) {
       note_error(err.what());
+    }
+    if (host == nullptr) {  // allocation failed, or the chunk is still being pinned
       pages_.unpin(e);
       pages_.erase(e);
       skipped = true;
@@ -424,13 +429,24 @@ bool HostPrefixCache::store_state(std::string_view request_id, const Key& key,
   }
   Entry* e = states_.insert(key, next_serial_++, page_serial);
   if (e == nullptr) return false;
+  std::byte* host = nullptr;
+  try {
+    host = state_pool_->slot(e->slot);
+  } catch (const Error& err) {
+    note_error(err.what());
+  }
+  if (host == nullptr) {  // allocation failed, or the chunk is still being pinned
+    states_.unpin(e);
+    states_.erase(e);
+    return false;
+  }
   Transfer t;
   t.request = std::string(request_id);
   t.is_store = true;
   t.states.push_back(e);
   bool failed = false;
   try {
-    copier_->copy_bytes(Direction::kToHost, *buf, state_pool_->slot(e->slot), stream);
+    copier_->copy_bytes(Direction::kToHost, *buf, host, stream);
   } catch (const Error& err) {
     note_error(err.what());
     failed = true;

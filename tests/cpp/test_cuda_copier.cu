@@ -6,6 +6,7 @@
 #include <chrono>
 #include <cstring>
 #include <random>
+#include <thread>
 #include <vector>
 
 #include "hicache/hicache.hpp"
@@ -205,23 +206,37 @@ TEST(CudaCopier, PollRetiresEachStreamIndependently) {
   cudaStreamDestroy(fast);
 }
 
-TEST(CudaCopier, FirstStoreDoesNotWaitForTheEnginesStream) {
-  // The first store into a pool chunk pins it. Pinning must not make the engine's thread wait
-  // for work already queued on the GPU.
+TEST(CudaCopier, StoresNeverWaitForTheEnginesStreamWhilePinning) {
+  // Pinning host memory waits for the GPU. The first chunk is pinned when the cache is built;
+  // later chunks in the background: a store must never make the engine's thread wait for work
+  // already queued on the GPU, even when it reaches a chunk not pinned yet.
   if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
   cudaStream_t s;
   CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
   DevicePool pool(16, {256 << 10});
-  hicache::HostPrefixCache cache(pool.segments(), kGpu, config(8));
+  hicache::CacheConfig c = config(8);
+  c.pool_chunk_bytes = 512 << 10;  // two pages a chunk
+  hicache::HostPrefixCache cache(pool.segments(), kGpu, c);
   spin<<<1, 1, 0, s>>>(kSpinCycles);
   CK(cudaGetLastError());
   const auto t0 = std::chrono::steady_clock::now();
-  EXPECT_EQ(cache.store("a", tokens(257), ids(0, 3), s), 2);
+  EXPECT_EQ(cache.store("a", tokens(4 * 128 + 1), ids(0, 5), s), 2);  // chunk 1 is not pinned yet
   const double ms =
       std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
   EXPECT_EQ(cudaStreamQuery(s), cudaErrorNotReady) << "store took " << ms << " ms";
   EXPECT_LT(ms, 30.0);
+  EXPECT_EQ(cache.stats().store_skips, 1);
+  CK(cudaStreamSynchronize(s));
+  std::int64_t stored = 0;
+  for (int i = 0; i < 2000 && stored == 0; ++i) {  // the background pinning catches up
+    stored = cache.store("a", tokens(4 * 128 + 1), ids(0, 5), s);
+    if (stored == 0) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  EXPECT_EQ(stored, 2);
   drain(cache);
+  EXPECT_EQ(cache.try_resume("b", tokens(4 * 128 + 1), give(8), s), 4 * 128);
+  drain(cache);
+  EXPECT_EQ(pool.page(11), pool.page(3));
   cudaStreamDestroy(s);
 }
 

@@ -1,6 +1,8 @@
 #include <gtest/gtest.h>
 
+#include <condition_variable>
 #include <cstdint>
+#include <mutex>
 
 #include "hicache/error.hpp"
 #include "hicache/host_pool.hpp"
@@ -60,4 +62,63 @@ TEST(HostPool, AllocationFailureIsAHicacheErrorAndLeavesThePoolUsable) {
   EXPECT_THROW(pool.slot(0), hicache::Error);
   alloc->fail = false;
   EXPECT_NE(pool.slot(0), nullptr);
+}
+
+namespace {
+
+// Models pinning: allocation waits until the test opens the gate (as cudaHostRegister waits for
+// the GPU's queued work).
+class GatedAllocator : public hicache::HostAllocator {
+ public:
+  void* allocate(std::size_t bytes) override {
+    std::unique_lock<std::mutex> lock(mu);
+    ++calls;
+    if (calls > 1) cv.wait(lock, [&] { return open; });
+    if (fail_next) {
+      fail_next = false;
+      throw hicache::Error("planned pinning failure");
+    }
+    return inner->allocate(bytes);
+  }
+  void deallocate(void* p, std::size_t bytes) noexcept override { inner->deallocate(p, bytes); }
+  const char* name() const override { return "gated"; }
+  bool waits_for_device() const override { return true; }
+  void release() {
+    std::lock_guard<std::mutex> g(mu);
+    open = true;
+    cv.notify_all();
+  }
+  std::shared_ptr<hicache::HostAllocator> inner = hicache::make_aligned_host_allocator();
+  std::mutex mu;
+  std::condition_variable cv;
+  int calls = 0;
+  bool open = false;
+  bool fail_next = false;
+};
+
+}  // namespace
+
+TEST(HostPool, AheadModeAllocatesTheFirstChunkUpFrontAndTheNextInTheBackground) {
+  auto alloc = std::make_shared<GatedAllocator>();
+  hicache::HostPool pool(1024, 8, 4096, alloc, hicache::HostPool::Growth::kAhead);
+  EXPECT_EQ(pool.allocated_bytes(), 4096u);  // chunk 0, by the constructor
+  EXPECT_NE(pool.slot(0), nullptr);          // ... and chunk 1 is now requested
+  EXPECT_EQ(pool.slot(4), nullptr);          // still being allocated: never blocks
+  alloc->release();
+  pool.wait_idle();
+  EXPECT_NE(pool.slot(4), nullptr);
+  EXPECT_EQ(pool.allocated_bytes(), 8192u);
+}
+
+TEST(HostPool, AheadModeReportsABackgroundFailureOnceThenRetries) {
+  auto alloc = std::make_shared<GatedAllocator>();
+  hicache::HostPool pool(1024, 8, 4096, alloc, hicache::HostPool::Growth::kAhead);
+  alloc->fail_next = true;
+  alloc->release();
+  EXPECT_EQ(pool.slot(4), nullptr);  // requests chunk 1, which fails in the background
+  pool.wait_idle();
+  EXPECT_THROW(pool.slot(4), hicache::Error);
+  EXPECT_EQ(pool.slot(4), nullptr);  // asked again
+  pool.wait_idle();
+  EXPECT_NE(pool.slot(4), nullptr);
 }

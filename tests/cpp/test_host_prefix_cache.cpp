@@ -3,7 +3,10 @@
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <chrono>
+#include <condition_variable>
 #include <cstring>
+#include <mutex>
 #include <random>
 #include <thread>
 
@@ -491,4 +494,43 @@ TEST(HostPrefixCache, ConcurrentCallsFromSeveralThreadsStayConsistent) {
   EXPECT_GT(s.hits, 0);
   EXPECT_EQ(s.pages_busy, 0);
   EXPECT_EQ(s.requests, 0);
+}
+
+TEST(HostPrefixCache, StoresIntoAChunkStillBeingPinnedAreSkippedNotBlocked) {
+  class SlowPinning : public hicache::HostAllocator {
+   public:
+    void* allocate(std::size_t bytes) override {
+      std::unique_lock<std::mutex> lock(mu);
+      if (++calls > 1) cv.wait(lock, [&] { return open; });
+      return inner->allocate(bytes);
+    }
+    void deallocate(void* p, std::size_t n) noexcept override { inner->deallocate(p, n); }
+    const char* name() const override { return "slow"; }
+    bool waits_for_device() const override { return true; }
+    std::shared_ptr<hicache::HostAllocator> inner = hicache::make_aligned_host_allocator();
+    std::mutex mu;
+    std::condition_variable cv;
+    int calls = 0;
+    bool open = false;
+  };
+  auto alloc = std::make_shared<SlowPinning>();
+  FakeEngine eng(16, {256});
+  CacheConfig c = small_config(8);
+  c.pool_chunk_bytes = 512;  // two pages a chunk
+  HostPrefixCache cache(eng.segments(), {}, c, std::make_shared<hicache::CpuCopier>(alloc));
+  EXPECT_EQ(cache.store("a", tokens(3 * 16 + 1), ids(0, 4)), 2);  // third page: chunk 1 not ready
+  auto s = cache.stats();
+  EXPECT_EQ(s.store_skips, 1);
+  EXPECT_EQ(s.errors, 0);
+  EXPECT_EQ(s.pages_used, 2);
+  {
+    std::lock_guard<std::mutex> g(alloc->mu);
+    alloc->open = true;
+  }
+  alloc->cv.notify_all();
+  for (int i = 0; i < 1000 && cache.store("a", tokens(3 * 16 + 1), ids(0, 4)) == 0; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  EXPECT_EQ(cache.stats().pages_used, 3);
+  EXPECT_EQ(cache.try_resume("b", tokens(3 * 16 + 1), give(ids(8, 3))), 48);
 }
