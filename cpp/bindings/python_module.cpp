@@ -88,7 +88,7 @@ PyCache make_cache(std::vector<nb::ndarray<>> segments, std::int64_t block_token
                    std::int64_t capacity_pages, std::int64_t keep_tokens, std::int64_t state_bytes,
                    std::int64_t capacity_states, std::int64_t state_lookback, nb::bytes salt,
                    std::int64_t error_limit, int key_bits, std::size_t pool_chunk_bytes,
-                   const std::string& copier, int cuda_blocks) {
+                   const std::string& copier, int cuda_blocks, bool pin_upfront) {
   PyCache out;
   std::vector<hicache::Segment> segs;
   hicache::Device device{};
@@ -113,6 +113,7 @@ PyCache make_cache(std::vector<nb::ndarray<>> segments, std::int64_t block_token
   c.error_limit = error_limit;
   c.key_bits = key_bits;
   c.pool_chunk_bytes = pool_chunk_bytes;
+  c.pin_upfront = pin_upfront;
   std::shared_ptr<hicache::Copier> chosen;
   if (copier == "deferred") {
     out.deferred = std::make_shared<hicache::DeferredCopier>();
@@ -254,15 +255,15 @@ NB_MODULE(_core, m) {
              std::int64_t capacity_pages, std::int64_t keep_tokens, std::int64_t state_bytes,
              std::int64_t capacity_states, std::int64_t state_lookback, nb::bytes salt,
              std::int64_t error_limit, int key_bits, std::size_t pool_chunk_bytes,
-             const std::string& copier, int cuda_blocks) {
+             const std::string& copier, int cuda_blocks, bool pin_upfront) {
             new (self)
                 PyCache(make_cache(std::move(segments), block_tokens, capacity_pages, keep_tokens,
                                    state_bytes, capacity_states, state_lookback, salt, error_limit,
-                                   key_bits, pool_chunk_bytes, copier, cuda_blocks));
+                                   key_bits, pool_chunk_bytes, copier, cuda_blocks, pin_upfront));
           },
           "segments"_a, "block_tokens"_a, "capacity_pages"_a, "keep_tokens"_a, "state_bytes"_a,
           "capacity_states"_a, "state_lookback"_a, "salt"_a, "error_limit"_a, "key_bits"_a,
-          "pool_chunk_bytes"_a, "copier"_a, "cuda_blocks"_a)
+          "pool_chunk_bytes"_a, "copier"_a, "cuda_blocks"_a, "pin_upfront"_a)
       .def("try_resume", &try_resume, "request_id"_a, "prompt"_a.noconvert(), "allocate"_a,
            "stream"_a, "state_out"_a.noconvert().none(), "salt"_a.none())
       .def("store", &store, "request_id"_a, "tokens"_a.noconvert(), "block_ids"_a.noconvert(),

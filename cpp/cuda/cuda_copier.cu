@@ -114,6 +114,11 @@ class CudaCopier final : public Copier {
       }
     }
     vec_ = align >= 16 ? 16 : align >= 4 ? 4 : 1;
+    std::int64_t smallest = segs.front().block_bytes;
+    for (const auto& sg : segs) smallest = std::min(smallest, sg.block_bytes);
+    use_dma_ = opt_.dma_min_chunk_bytes > 0 &&
+               static_cast<std::size_t>(smallest) >= opt_.dma_min_chunk_bytes;
+    layout_ = &layout;
     const long long tile = static_cast<long long>(opt_.threads) * vec_;
     std::vector<SegmentDesc> table;
     long long tiles = 0;
@@ -136,6 +141,7 @@ class CudaCopier final : public Copier {
     if (table_ == nullptr) throw Error("CUDA copier used before bind()");
     DeviceGuard g(device_);
     auto s = static_cast<cudaStream_t>(stream);
+    if (use_dma_) return copy_pages_dma(dir, moves, s);
     for (std::size_t first = 0; first < moves.size(); first += kMaxMovesPerLaunch) {
       MoveBatch batch;
       batch.count =
@@ -194,6 +200,30 @@ class CudaCopier final : public Copier {
   }
 
  private:
+  // Large chunks: one batched DMA submission, no SM used.
+  void copy_pages_dma(Direction dir, std::span<const PageMove> moves, cudaStream_t s) {
+    const auto& segs = layout_->segments();
+    std::vector<void*> dst, src;
+    std::vector<std::size_t> sizes;
+    dst.reserve(moves.size() * segs.size());
+    src.reserve(dst.capacity());
+    sizes.reserve(dst.capacity());
+    for (const PageMove& m : moves) {
+      for (std::size_t i = 0; i < segs.size(); ++i) {
+        void* dev = layout_->block_address(i, m.block);
+        void* host = m.host + layout_->page_offset(i);
+        src.push_back(dir == Direction::kToHost ? dev : host);
+        dst.push_back(dir == Direction::kToHost ? host : dev);
+        sizes.push_back(static_cast<std::size_t>(segs[i].block_bytes));
+      }
+    }
+    cudaMemcpyAttributes attr{};
+    attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
+    std::size_t attr_index = 0;
+    HICACHE_CUDA_CHECK(cudaMemcpyBatchAsync(dst.data(), src.data(), sizes.data(), sizes.size(),
+                                            &attr, &attr_index, 1, s));
+  }
+
   void check_on_device(const void* p, std::size_t s, const char* what) const {
     cudaPointerAttributes attr{};
     const cudaError_t err = cudaPointerGetAttributes(&attr, p);
@@ -212,6 +242,8 @@ class CudaCopier final : public Copier {
   int nseg_ = 0;
   long long tiles_per_page_ = 0;
   int vec_ = 16;
+  bool use_dma_ = false;
+  const PageLayout* layout_ = nullptr;
 };
 
 }  // namespace

@@ -45,10 +45,19 @@ HostPool::HostPool(std::size_t slot_bytes, std::int64_t num_slots, std::size_t c
   chunks_.assign(num_chunks, nullptr);
   state_.assign(num_chunks, State::kNone);
   failure_.assign(num_chunks, std::string());
-  if (growth_ == Growth::kAhead && num_chunks > 0) {
+  if (growth_ != Growth::kOnDemand && num_chunks > 0) {
+    // At start-up, where waiting for the device costs nothing.
     std::unique_lock<std::mutex> lock(mu_);
-    allocate_now(0);  // at start-up, where waiting for the device costs nothing
-    if (state_[0] == State::kFailed) throw Error(failure_[0]);
+    const std::size_t upfront = growth_ == Growth::kUpFront ? num_chunks : 1;
+    for (std::size_t c = 0; c < upfront; ++c) {
+      allocate_now(c);
+      if (state_[c] == State::kFailed) {
+        lock.unlock();
+        for (std::size_t d = 0; d < c; ++d) allocator_->deallocate(chunks_[d], chunk_size(d));
+        throw Error("pinning the host pool failed at chunk " + std::to_string(c) + " of " +
+                    std::to_string(num_chunks) + ": " + failure_[c]);
+      }
+    }
   }
 }
 

@@ -35,6 +35,11 @@ class HostPrefixCache:
         copier: ``"auto"`` (CUDA for CUDA segments, else CPU), ``"cpu"``, ``"cuda"``, or
             ``"deferred"`` (tests: copies run at :meth:`complete_transfers`).
         cuda_blocks: CTAs of the CUDA copy kernel.
+        pool_chunk_bytes: size of one host allocation.
+        pin_upfront: CUDA only. Pin the whole host pool at construction (default; about 11 GB/s
+            on an H200 host), or grow it in the background as it fills: then nothing is pinned
+            before it is needed, but pinning a chunk while serving makes CUDA calls wait for the
+            GPU to drain, and stores into a chunk still being pinned are skipped.
         key_bits: tests only; fewer than 128 bits force hash collisions.
 
     Raises:
@@ -56,7 +61,8 @@ class HostPrefixCache:
         error_limit: int = 8,
         copier: CopierKind = "auto",
         cuda_blocks: int = 4,
-        pool_chunk_bytes: int = 256 << 20,
+        pool_chunk_bytes: int = 1 << 30,
+        pin_upfront: bool = True,
         key_bits: int = 128,
     ) -> None:
         segs = [segments] if hasattr(segments, "shape") else list(segments)
@@ -86,6 +92,7 @@ class HostPrefixCache:
             pool_chunk_bytes,
             copier,
             cuda_blocks,
+            pin_upfront,
         )
         self.block_tokens = block_tokens
         self.state_bytes = state_bytes

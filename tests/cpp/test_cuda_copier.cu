@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <cstdio>
 #include <cstring>
 #include <random>
 #include <thread>
@@ -101,8 +102,9 @@ void drain(hicache::HostPrefixCache& cache) {
   ASSERT_EQ(cache.stats().transfers_in_flight, 0);
 }
 
-void expect_round_trip(DevicePool& pool, std::int64_t pages, cudaStream_t stream) {
-  hicache::HostPrefixCache cache(pool.segments(), kGpu, config(64));
+void expect_round_trip(DevicePool& pool, std::int64_t pages, cudaStream_t stream,
+                       std::shared_ptr<hicache::Copier> copier = nullptr) {
+  hicache::HostPrefixCache cache(pool.segments(), kGpu, config(64), copier);
   std::vector<std::vector<std::uint8_t>> before;
   for (std::int64_t b = 0; b < pages; ++b) before.push_back(pool.page(b));
   const auto prompt = tokens(static_cast<std::size_t>(pages * 128 + 1));
@@ -118,10 +120,11 @@ void expect_round_trip(DevicePool& pool, std::int64_t pages, cudaStream_t stream
 
 }  // namespace
 
-TEST(CudaCopier, PageMajorRandomBytesRoundTrip) {
+TEST(CudaCopier, PageMajorRandomBytesRoundTripOnDmaAndOnTheKernel) {
   if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
   DevicePool pool(64, {1 << 20});
-  expect_round_trip(pool, 12, nullptr);
+  expect_round_trip(pool, 12, nullptr);  // 1 MiB chunks: the DMA engines by default
+  expect_round_trip(pool, 12, nullptr, hicache::make_cuda_copier(0, {4, 1024, 0}));  // kernel
 }
 
 TEST(CudaCopier, LayerMajorManySegmentsRoundTrip) {
@@ -206,25 +209,49 @@ TEST(CudaCopier, PollRetiresEachStreamIndependently) {
   cudaStreamDestroy(fast);
 }
 
-TEST(CudaCopier, StoresNeverWaitForTheEnginesStreamWhilePinning) {
-  // Pinning host memory waits for the GPU. The first chunk is pinned when the cache is built;
-  // later chunks in the background: a store must never make the engine's thread wait for work
-  // already queued on the GPU, even when it reaches a chunk not pinned yet.
+TEST(CudaCopier, StoresNeverWaitForTheEnginesStream) {
+  // Pinning host memory waits for the GPU, so the pool is pinned when the cache is built: a store
+  // must then never make the engine's thread wait for work already queued on the GPU.
   if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
   cudaStream_t s;
   CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
   DevicePool pool(16, {256 << 10});
   hicache::CacheConfig c = config(8);
-  c.pool_chunk_bytes = 512 << 10;  // two pages a chunk
+  c.pool_chunk_bytes = 512 << 10;  // two pages a chunk, four chunks
   hicache::HostPrefixCache cache(pool.segments(), kGpu, c);
+  EXPECT_EQ(cache.stats().host_bytes, 8 * (256 << 10));
   spin<<<1, 1, 0, s>>>(kSpinCycles);
   CK(cudaGetLastError());
   const auto t0 = std::chrono::steady_clock::now();
-  EXPECT_EQ(cache.store("a", tokens(4 * 128 + 1), ids(0, 5), s), 2);  // chunk 1 is not pinned yet
+  EXPECT_EQ(cache.store("a", tokens(4 * 128 + 1), ids(0, 5), s), 4);
   const double ms =
       std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
   EXPECT_EQ(cudaStreamQuery(s), cudaErrorNotReady) << "store took " << ms << " ms";
   EXPECT_LT(ms, 30.0);
+  drain(cache);
+  EXPECT_EQ(cache.try_resume("b", tokens(4 * 128 + 1), give(8), s), 4 * 128);
+  drain(cache);
+  EXPECT_EQ(pool.page(11), pool.page(3));
+  cudaStreamDestroy(s);
+}
+
+TEST(CudaCopier, LazyPinningGrowsThePoolInTheBackground) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  cudaStream_t s;
+  CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  DevicePool pool(16, {256 << 10});
+  hicache::CacheConfig c = config(8);
+  c.pool_chunk_bytes = 512 << 10;
+  c.pin_upfront = false;
+  hicache::HostPrefixCache cache(pool.segments(), kGpu, c);
+  EXPECT_EQ(cache.stats().host_bytes, 2 * (256 << 10));  // only the first chunk
+  spin<<<1, 1, 0, s>>>(kSpinCycles);
+  CK(cudaGetLastError());
+  const auto t0 = std::chrono::steady_clock::now();
+  EXPECT_EQ(cache.store("a", tokens(4 * 128 + 1), ids(0, 5), s), 2);  // chunk 1: not pinned yet
+  const double ms =
+      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  std::printf("store while a chunk was being pinned behind queued GPU work: %.1f ms\n", ms);
   EXPECT_EQ(cache.stats().store_skips, 1);
   CK(cudaStreamSynchronize(s));
   std::int64_t stored = 0;

@@ -517,6 +517,7 @@ TEST(HostPrefixCache, StoresIntoAChunkStillBeingPinnedAreSkippedNotBlocked) {
   FakeEngine eng(16, {256});
   CacheConfig c = small_config(8);
   c.pool_chunk_bytes = 512;  // two pages a chunk
+  c.pin_upfront = false;     // grow in the background
   HostPrefixCache cache(eng.segments(), {}, c, std::make_shared<hicache::CpuCopier>(alloc));
   EXPECT_EQ(cache.store("a", tokens(3 * 16 + 1), ids(0, 4)), 2);  // third page: chunk 1 not ready
   auto s = cache.stats();
@@ -533,4 +534,28 @@ TEST(HostPrefixCache, StoresIntoAChunkStillBeingPinnedAreSkippedNotBlocked) {
   }
   EXPECT_EQ(cache.stats().pages_used, 3);
   EXPECT_EQ(cache.try_resume("b", tokens(3 * 16 + 1), give(ids(8, 3))), 48);
+}
+
+TEST(HostPrefixCache, PinnedPoolsArePinnedUpFrontByDefault) {
+  class CountingPinned : public hicache::HostAllocator {
+   public:
+    void* allocate(std::size_t bytes) override {
+      ++calls;
+      return inner->allocate(bytes);
+    }
+    void deallocate(void* p, std::size_t n) noexcept override { inner->deallocate(p, n); }
+    const char* name() const override { return "pinned"; }
+    bool waits_for_device() const override { return true; }
+    std::shared_ptr<hicache::HostAllocator> inner = hicache::make_aligned_host_allocator();
+    int calls = 0;
+  };
+  auto alloc = std::make_shared<CountingPinned>();
+  FakeEngine eng(16, {256});
+  CacheConfig c = small_config(8);
+  c.pool_chunk_bytes = 512;
+  HostPrefixCache cache(eng.segments(), {}, c, std::make_shared<hicache::CpuCopier>(alloc));
+  EXPECT_EQ(alloc->calls, 4);  // every chunk, before any store
+  EXPECT_EQ(cache.stats().host_bytes, 8 * 256);
+  EXPECT_EQ(cache.store("a", tokens(8 * 16 + 1), ids(0, 9)), 8);
+  EXPECT_EQ(alloc->calls, 4);
 }

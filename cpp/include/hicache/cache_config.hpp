@@ -28,8 +28,14 @@ struct CacheConfig {
   /// Tests only: keep this many bits of each chain key (128 = the real hash). Fewer bits make
   /// collisions common, to show that exact matching never serves another prefix's page.
   int key_bits = 128;
-  /// Target size of one host allocation.
-  std::size_t pool_chunk_bytes = std::size_t{256} << 20;
+  /// Target size of one host allocation (pinning runs fastest in large chunks: 11.5 GB/s with
+  /// 1 GiB against 5.2 GB/s with 256 MiB, measured on an H200 host).
+  std::size_t pool_chunk_bytes = std::size_t{1} << 30;
+  /// Pinned pools (CUDA): pin the whole pool at construction (true), or grow it in the background
+  /// as it fills (false: nothing is pinned before it is needed, but each chunk pinned while
+  /// serving makes the process's CUDA calls wait for the GPU to drain). CPU pools always grow on
+  /// demand.
+  bool pin_upfront = true;
 
   /// @throws std::invalid_argument naming the first bad field.
   void validate() const;

@@ -2,6 +2,7 @@
 // The CUDA copier, behind a CUDA-free interface: engines include this without CUDA headers.
 // In a build without CUDA, cuda_available() is false and make_cuda_copier throws.
 
+#include <cstddef>
 #include <memory>
 
 #include "hicache/copier.hpp"
@@ -13,6 +14,11 @@ struct CudaCopierOptions {
   int max_blocks = 4;
   /// Threads per CTA.
   int threads = 1024;
+  /// When every segment's block is at least this large, pages move on the DMA engines
+  /// (cudaMemcpyBatchAsync) instead of the kernel: measured on an H200, DMA reaches 0.99 of the
+  /// contiguous rate on 4.4 MB chunks where the kernel reaches 0.92-0.94, but only 0.91 on
+  /// 256 KiB chunks and 0.07-0.39 on 16 KiB ones. 0 disables DMA.
+  std::size_t dma_min_chunk_bytes = std::size_t{1} << 20;
 };
 
 /// Whether this build has the CUDA copier and a CUDA device is visible.

@@ -5,8 +5,12 @@
 // nothing, and a huge pool is neither one giant allocation nor minutes of pinning at start-up.
 // Slots are rounded up to 256 bytes (alignment for vector copies), never to a power of two.
 //
-// Two growth modes:
+// Growth modes:
 //  - kOnDemand: the chunk holding a slot is allocated by the first slot() call in it.
+//  - kUpFront: every chunk is allocated by the constructor. For pinned memory this is the
+//    default: pinning waits for the GPU to drain and, while it runs, other CUDA calls of the
+//    process wait too (measured on an H200: a store issued while another thread pinned a chunk
+//    took 101 ms, the length of the work queued on the GPU), so serving should never pin.
 //  - kAhead: for allocators whose allocation waits for the GPU (pinning with cudaHostRegister or
 //    cudaHostAlloc synchronizes the device, so the engine's thread would stall behind its own
 //    queued work). The first chunk is allocated by the constructor; each next chunk is allocated
@@ -43,7 +47,7 @@ std::shared_ptr<HostAllocator> make_aligned_host_allocator();
 class HostPool {
  public:
   static constexpr std::size_t kSlotAlign = 256;
-  enum class Growth { kOnDemand, kAhead };
+  enum class Growth { kOnDemand, kAhead, kUpFront };
 
   /// @param chunk_bytes target size of one allocation; a chunk holds at least one slot.
   /// @throws std::invalid_argument for zero sizes; hicache::Error if kAhead cannot allocate the
