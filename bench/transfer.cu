@@ -273,6 +273,42 @@ void bench_grid(const Geometry& g, cudaStream_t s) {
   }
 }
 
+__global__ void spin(long long cycles) {
+  const long long start = clock64();
+  while (clock64() - start < cycles) {
+  }
+}
+
+// Does pinning wait for the GPU? Time cudaHostRegister of 256 MiB while a ~100 ms kernel runs.
+void bench_pin_while_busy(cudaStream_t s) {
+  const std::size_t bytes = std::size_t{256} << 20;
+  auto alloc = hicache::cuda::make_pinned_allocator(hicache::cuda::PinMode::kRegister);
+  void* warm = alloc->allocate(bytes);  // first use of the path, not timed
+  alloc->deallocate(warm, bytes);
+  double idle_ms = 0, busy_ms = 0;
+  for (int busy = 0; busy < 2; ++busy) {
+    CK(cudaDeviceSynchronize());
+    if (busy) spin<<<1, 1, 0, s>>>(200'000'000);
+    const auto t0 = std::chrono::steady_clock::now();
+    void* p = alloc->allocate(bytes);
+    const double ms =
+        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+    const bool still_busy = busy && cudaStreamQuery(s) == cudaErrorNotReady;
+    (busy ? busy_ms : idle_ms) = ms;
+    if (busy) {
+      char line[256];
+      std::snprintf(
+          line, sizeof line,
+          "\nPinning 256 MiB (mmap + fault + cudaHostRegister): %.1f ms with the GPU idle, "
+          "%.1f ms while a ~100 ms kernel ran (kernel still running after: %s).\n",
+          idle_ms, busy_ms, still_busy ? "yes" : "no");
+      report << line;
+    }
+    CK(cudaDeviceSynchronize());
+    alloc->deallocate(p, bytes);
+  }
+}
+
 void bench_pinning(double gib) {
   report << "\n| pinned pool of " << gib
          << " GiB | chunk | seconds | GB/s |\n| --- | --- | --- | --- |\n";
@@ -346,6 +382,7 @@ int main(int argc, char** argv) {
   }
   bench_grid(geos[0], s);
   bench_grid(geos[2], s);
+  bench_pin_while_busy(s);
   std::fprintf(stderr, "bench: pinning %.0f GiB\n", pool_gib);
   bench_pinning(pool_gib);
   std::printf("%s", report.str().c_str());

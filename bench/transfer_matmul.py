@@ -71,13 +71,18 @@ def main() -> None:
         with torch.cuda.stream(side):
             pinned.copy_(dev_buf, non_blocking=True)
 
-    flip = [0]
-    big = hicache.HostPrefixCache(segs, block_tokens=B, capacity_pages=n, cuda_blocks=args.cuda_blocks)
+    # Stores need fresh prompts and room: copies queued back to back hold their slots until done.
+    stores_in_flight = 16
+    big = hicache.HostPrefixCache(
+        segs, block_tokens=B, capacity_pages=stores_in_flight * n, cuda_blocks=args.cuda_blocks
+    )
+    fresh = [0]
 
-    def store() -> None:  # alternate two prompts in a pool that holds one: every store copies n pages
+    def store() -> None:
         big.poll()
-        flip[0] ^= 1
-        big.store("w", prompts[flip[0]], list(range(flip[0] * n, (flip[0] + 1) * n + 1)), stream=side)
+        fresh[0] += 1
+        got = big.store("w", torch.arange(n * B + 1) + fresh[0] * 10**7, list(range(n + 1)), stream=side)
+        assert got == n, f"store copied {got} of {n} pages"
 
     rows = []
     for name, fn in [
@@ -89,6 +94,13 @@ def main() -> None:
         copy_alone = timed(side, fn, 10)
         torch.cuda.synchronize()
         k = max(4, int(args.matmuls * alone / copy_alone) + 4)  # copies outlast the matmuls
+        if fn is store:
+            torch.cuda.synchronize()
+            big.poll()
+            big = hicache.HostPrefixCache(  # empty again: room for k stores in flight
+                segs, block_tokens=B, capacity_pages=stores_in_flight * n, cuda_blocks=args.cuda_blocks
+            )
+            k = min(k, stores_in_flight - 1)
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         c0, c1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         c0.record(side)

@@ -39,6 +39,7 @@ python3 -c "import hicache; print('cuda_available', hicache.cuda_available())" |
 
 if [ "$phase" = test ] || [ "$phase" = all ]; then
 run ctest bash -c "cd build/gpu && ctest --output-on-failure"
+run lazy-pinning build/gpu/hicache_tests --gtest_filter="CudaCopier.LazyPinning*"
 run pytest bash -c "cd tests/py && python3 -m pytest -q -rs -p no:cacheprovider ."
 run memcheck-cpp compute-sanitizer --tool memcheck --error-exitcode 9 build/gpu/hicache_tests --gtest_filter='CudaCopier.*'
 run racecheck-cpp compute-sanitizer --tool racecheck --error-exitcode 9 build/gpu/hicache_tests --gtest_filter='CudaCopier.*'

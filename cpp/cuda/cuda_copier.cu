@@ -129,6 +129,7 @@ class CudaCopier final : public Copier {
     }
     tiles_per_page_ = tiles;
     nseg_ = static_cast<int>(table.size());
+    load_kernels();
     if (table_ != nullptr) cudaFree(table_);
     table_ = nullptr;
     HICACHE_CUDA_CHECK(cudaMalloc(&table_, table.size() * sizeof(SegmentDesc)));
@@ -141,7 +142,8 @@ class CudaCopier final : public Copier {
     if (table_ == nullptr) throw Error("CUDA copier used before bind()");
     DeviceGuard g(device_);
     auto s = static_cast<cudaStream_t>(stream);
-    if (use_dma_) return copy_pages_dma(dir, moves, s);
+    // The batched DMA API refuses the legacy default stream: the kernel serves that one.
+    if (use_dma_ && s != nullptr && s != cudaStreamLegacy) return copy_pages_dma(dir, moves, s);
     for (std::size_t first = 0; first < moves.size(); first += kMaxMovesPerLaunch) {
       MoveBatch batch;
       batch.count =
@@ -200,6 +202,26 @@ class CudaCopier final : public Copier {
   }
 
  private:
+  // CUDA loads a kernel's module at its first launch (lazy loading), and that load waits for
+  // kernels already running: the engine's first store would stall behind its own forward pass
+  // (measured on an H200: 101 ms behind a 100 ms kernel). Loading them here, at start-up,
+  // keeps that off the serving path.
+  static void load_kernels() {
+    cudaFuncAttributes a;
+    HICACHE_CUDA_CHECK(
+        cudaFuncGetAttributes(&a, page_copy_kernel<uint4, kUnroll<uint4, true>, true>));
+    HICACHE_CUDA_CHECK(
+        cudaFuncGetAttributes(&a, page_copy_kernel<uint4, kUnroll<uint4, false>, false>));
+    HICACHE_CUDA_CHECK(
+        cudaFuncGetAttributes(&a, page_copy_kernel<unsigned, kUnroll<unsigned, true>, true>));
+    HICACHE_CUDA_CHECK(
+        cudaFuncGetAttributes(&a, page_copy_kernel<unsigned, kUnroll<unsigned, false>, false>));
+    HICACHE_CUDA_CHECK(cudaFuncGetAttributes(
+        &a, page_copy_kernel<unsigned char, kUnroll<unsigned char, true>, true>));
+    HICACHE_CUDA_CHECK(cudaFuncGetAttributes(
+        &a, page_copy_kernel<unsigned char, kUnroll<unsigned char, false>, false>));
+  }
+
   // Large chunks: one batched DMA submission, no SM used.
   void copy_pages_dma(Direction dir, std::span<const PageMove> moves, cudaStream_t s) {
     const auto& segs = layout_->segments();
