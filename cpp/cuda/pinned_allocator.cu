@@ -21,7 +21,7 @@ class HostAllocPinned final : public HostAllocator {
   }
   void deallocate(void* p, std::size_t) noexcept override { cudaFreeHost(p); }
   const char* name() const override { return "cudaHostAlloc"; }
-  bool waits_for_device() const override { return true; }
+  bool allocation_is_slow() const override { return true; }
 };
 
 // Pinning is bound by faulting pages in, which the driver does on one thread. Faulting them in on
@@ -50,7 +50,7 @@ class RegisteredPinned final : public HostAllocator {
     munmap(p, bytes);
   }
   const char* name() const override { return "mmap+cudaHostRegister"; }
-  bool waits_for_device() const override { return true; }
+  bool allocation_is_slow() const override { return true; }
 
  private:
   void prefault(char* p, std::size_t bytes) const {

@@ -41,11 +41,11 @@ HostPrefixCache::HostPrefixCache(std::vector<Segment> segments, Device device, C
   }
   copier_->bind(layout_);
   auto alloc = copier_->host_allocator();
-  // Pinning waits for the device: such pools are pinned at start-up, or grow ahead of use off
-  // the engine's thread (see CacheConfig::pin_upfront).
-  const auto growth = !alloc->waits_for_device() ? HostPool::Growth::kOnDemand
-                      : config_.pin_upfront      ? HostPool::Growth::kUpFront
-                                                 : HostPool::Growth::kAhead;
+  // Pinning is slow: such pools are pinned at start-up, or grow ahead of use off the engine's
+  // thread (see CacheConfig::pin_upfront).
+  const auto growth = !alloc->allocation_is_slow() ? HostPool::Growth::kOnDemand
+                      : config_.pin_upfront        ? HostPool::Growth::kUpFront
+                                                   : HostPool::Growth::kAhead;
   page_pool_ = std::make_unique<HostPool>(layout_.page_bytes(), config_.capacity_pages,
                                           config_.pool_chunk_bytes, alloc, growth);
   if (config_.state_bytes > 0) {

@@ -36,10 +36,9 @@ class HostPrefixCache:
             ``"deferred"`` (tests: copies run at :meth:`complete_transfers`).
         cuda_blocks: CTAs of the CUDA copy kernel.
         pool_chunk_bytes: size of one host allocation.
-        pin_upfront: CUDA only. Pin the whole host pool at construction (default; about 11 GB/s
-            on an H200 host), or grow it in the background as it fills: then nothing is pinned
-            before it is needed, but pinning a chunk while serving makes CUDA calls wait for the
-            GPU to drain, and stores into a chunk still being pinned are skipped.
+        pin_upfront: CUDA only. False (default): pin the first chunk now and each next one on a
+            background thread as the pool fills (stores that outrun the pinning are skipped and
+            counted). True: pin the whole pool now (about 13 GB/s on an H200 host).
         key_bits: tests only; fewer than 128 bits force hash collisions.
 
     Raises:
@@ -62,7 +61,7 @@ class HostPrefixCache:
         copier: CopierKind = "auto",
         cuda_blocks: int = 4,
         pool_chunk_bytes: int = 1 << 30,
-        pin_upfront: bool = True,
+        pin_upfront: bool = False,
         key_bits: int = 128,
     ) -> None:
         segs = [segments] if hasattr(segments, "shape") else list(segments)

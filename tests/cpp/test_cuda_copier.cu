@@ -214,14 +214,16 @@ TEST(CudaCopier, PollRetiresEachStreamIndependently) {
 }
 
 TEST(CudaCopier, StoresNeverWaitForTheEnginesStream) {
-  // Pinning host memory waits for the GPU, so the pool is pinned when the cache is built: a store
-  // must then never make the engine's thread wait for work already queued on the GPU.
+  // A store must never make the engine's thread wait for work already queued on the GPU (the
+  // copy kernels are loaded when the cache is built: CUDA's lazy loading would otherwise wait
+  // for running kernels at the first launch).
   if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
   cudaStream_t s;
   CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
   DevicePool pool(16, {256 << 10});
   hicache::CacheConfig c = config(8);
   c.pool_chunk_bytes = 512 << 10;  // two pages a chunk, four chunks
+  c.pin_upfront = true;
   hicache::HostPrefixCache cache(pool.segments(), kGpu, c);
   EXPECT_EQ(cache.stats().host_bytes, 8 * (256 << 10));
   spin<<<1, 1, 0, s>>>(kSpinCycles);

@@ -82,7 +82,7 @@ class GatedAllocator : public hicache::HostAllocator {
   }
   void deallocate(void* p, std::size_t bytes) noexcept override { inner->deallocate(p, bytes); }
   const char* name() const override { return "gated"; }
-  bool waits_for_device() const override { return true; }
+  bool allocation_is_slow() const override { return true; }
   void release() {
     std::lock_guard<std::mutex> g(mu);
     open = true;

@@ -506,7 +506,7 @@ TEST(HostPrefixCache, StoresIntoAChunkStillBeingPinnedAreSkippedNotBlocked) {
     }
     void deallocate(void* p, std::size_t n) noexcept override { inner->deallocate(p, n); }
     const char* name() const override { return "slow"; }
-    bool waits_for_device() const override { return true; }
+    bool allocation_is_slow() const override { return true; }
     std::shared_ptr<hicache::HostAllocator> inner = hicache::make_aligned_host_allocator();
     std::mutex mu;
     std::condition_variable cv;
@@ -536,7 +536,7 @@ TEST(HostPrefixCache, StoresIntoAChunkStillBeingPinnedAreSkippedNotBlocked) {
   EXPECT_EQ(cache.try_resume("b", tokens(3 * 16 + 1), give(ids(8, 3))), 48);
 }
 
-TEST(HostPrefixCache, PinnedPoolsArePinnedUpFrontByDefault) {
+TEST(HostPrefixCache, SlowPoolsPinOneChunkAtFirstOrEverythingWhenAskedUpFront) {
   class CountingPinned : public hicache::HostAllocator {
    public:
     void* allocate(std::size_t bytes) override {
@@ -545,14 +545,21 @@ TEST(HostPrefixCache, PinnedPoolsArePinnedUpFrontByDefault) {
     }
     void deallocate(void* p, std::size_t n) noexcept override { inner->deallocate(p, n); }
     const char* name() const override { return "pinned"; }
-    bool waits_for_device() const override { return true; }
+    bool allocation_is_slow() const override { return true; }
     std::shared_ptr<hicache::HostAllocator> inner = hicache::make_aligned_host_allocator();
     int calls = 0;
   };
-  auto alloc = std::make_shared<CountingPinned>();
   FakeEngine eng(16, {256});
   CacheConfig c = small_config(8);
   c.pool_chunk_bytes = 512;
+  {
+    auto lazy = std::make_shared<CountingPinned>();
+    HostPrefixCache cache(eng.segments(), {}, c, std::make_shared<hicache::CpuCopier>(lazy));
+    EXPECT_EQ(lazy->calls, 1);  // by default only the first chunk, at construction
+    EXPECT_EQ(cache.stats().host_bytes, 2 * 256);
+  }
+  c.pin_upfront = true;
+  auto alloc = std::make_shared<CountingPinned>();
   HostPrefixCache cache(eng.segments(), {}, c, std::make_shared<hicache::CpuCopier>(alloc));
   EXPECT_EQ(alloc->calls, 4);  // every chunk, before any store
   EXPECT_EQ(cache.stats().host_bytes, 8 * 256);

@@ -6,16 +6,14 @@
 // Slots are rounded up to 256 bytes (alignment for vector copies), never to a power of two.
 //
 // Growth modes:
-//  - kOnDemand: the chunk holding a slot is allocated by the first slot() call in it.
-//  - kUpFront: every chunk is allocated by the constructor. For pinned memory this is the
-//    default: pinning waits for the GPU to drain and, while it runs, other CUDA calls of the
-//    process wait too (measured on an H200: a store issued while another thread pinned a chunk
-//    took 101 ms, the length of the work queued on the GPU), so serving should never pin.
-//  - kAhead: for allocators whose allocation waits for the GPU (pinning with cudaHostRegister or
-//    cudaHostAlloc synchronizes the device, so the engine's thread would stall behind its own
-//    queued work). The first chunk is allocated by the constructor; each next chunk is allocated
-//    on a background thread as soon as the one before it is first used. slot() never blocks: it
-//    returns nullptr while its chunk is still being allocated, and the cache skips that store.
+//  - kOnDemand: the chunk holding a slot is allocated by the first slot() call in it (CPU pools).
+//  - kAhead: for slow allocators (pinning runs at about 13 GB/s, so a 1 GiB chunk takes ~80 ms
+//    that the engine's thread should not pay). The first chunk is allocated by the constructor;
+//    each next chunk on a background thread as soon as the one before it is first used. slot()
+//    never blocks: it returns nullptr while its chunk is still being allocated, and the cache
+//    skips that store. Pinning does not wait for the GPU (measured on an H200: 48 ms for 256 MiB
+//    while a 100 ms kernel ran, 51 ms idle), so the background thread does not stall serving.
+//  - kUpFront: every chunk is allocated by the constructor (predictable, nothing left to pin).
 
 #include <condition_variable>
 #include <cstddef>
@@ -37,8 +35,9 @@ class HostAllocator {
   virtual void* allocate(std::size_t bytes) = 0;
   virtual void deallocate(void* p, std::size_t bytes) noexcept = 0;
   virtual const char* name() const = 0;
-  /// Whether allocate() waits for the device (then pools grow ahead, off the caller's thread).
-  virtual bool waits_for_device() const { return false; }
+  /// Whether allocate() is slow enough to keep off the engine's thread (pinning: about 50 ms per
+  /// 256 MiB on an H200 host); such pools grow ahead of use on a background thread.
+  virtual bool allocation_is_slow() const { return false; }
 };
 
 /// Page-aligned memory from the C++ runtime.
