@@ -42,7 +42,9 @@ def main() -> None:
     segs = [torch.randn(2 * n + 2, B, 8, 128, device=dev).to(torch.bfloat16) for _ in range(64)]
     page_bytes = sum(s[0].numel() * s.element_size() for s in segs)
     batch_bytes = page_bytes * n
-    cache = hicache.HostPrefixCache(segs, block_tokens=B, capacity_pages=2 * n, cuda_blocks=args.cuda_blocks)
+    cache = hicache.HostPrefixCache(
+        segs, block_tokens=B, capacity_pages=2 * n, cuda_blocks=args.cuda_blocks, pin_upfront=True
+    )
     prompts = [torch.arange(n * B + 1) + k * 10**6 for k in range(2)]
     for k, pr in enumerate(prompts):
         cache.store(f"s{k}", pr, list(range(k * n, (k + 1) * n + 1)))
@@ -73,9 +75,17 @@ def main() -> None:
 
     # Stores need fresh prompts and room: copies queued back to back hold their slots until done.
     stores_in_flight = 16
-    big = hicache.HostPrefixCache(
-        segs, block_tokens=B, capacity_pages=stores_in_flight * n, cuda_blocks=args.cuda_blocks
-    )
+
+    def fresh_pool() -> hicache.HostPrefixCache:
+        return hicache.HostPrefixCache(
+            segs,
+            block_tokens=B,
+            capacity_pages=stores_in_flight * n,
+            cuda_blocks=args.cuda_blocks,
+            pin_upfront=True,
+        )
+
+    big = fresh_pool()
     fresh = [0]
 
     def store() -> None:
@@ -97,9 +107,7 @@ def main() -> None:
         if fn is store:
             torch.cuda.synchronize()
             big.poll()
-            big = hicache.HostPrefixCache(  # empty again: room for k stores in flight
-                segs, block_tokens=B, capacity_pages=stores_in_flight * n, cuda_blocks=args.cuda_blocks
-            )
+            big = fresh_pool()  # empty again: room for k stores in flight
             k = min(k, stores_in_flight - 1)
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         c0, c1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

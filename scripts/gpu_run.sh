@@ -55,7 +55,7 @@ fi
 
 if [ "$phase" = bench ] || [ "$phase" = all ]; then
 run bench-transfer build/gpu/hicache_bench_transfer --pool-gib ${POOL_GIB:-32} --out "$OUT/bench_transfer.md"
-run bench-matmul python3 bench/transfer_matmul.py
+run bench-matmul bash -c "for cb in 4 2 1; do python3 bench/transfer_matmul.py --cuda-blocks \$cb; echo; done"
 cp "$OUT/bench-matmul.log" "$OUT/bench_matmul.md" 2>/dev/null
 fi
 
