@@ -88,7 +88,8 @@ PyCache make_cache(std::vector<nb::ndarray<>> segments, std::int64_t block_token
                    std::int64_t capacity_pages, std::int64_t keep_tokens, std::int64_t state_bytes,
                    std::int64_t capacity_states, std::int64_t state_lookback, nb::bytes salt,
                    std::int64_t error_limit, int key_bits, std::size_t pool_chunk_bytes,
-                   const std::string& copier, int cuda_blocks, bool pin_upfront) {
+                   const std::string& copier, int cuda_blocks, bool pin_upfront,
+                   const std::string& eviction) {
   PyCache out;
   std::vector<hicache::Segment> segs;
   hicache::Device device{};
@@ -114,10 +115,19 @@ PyCache make_cache(std::vector<nb::ndarray<>> segments, std::int64_t block_token
   c.key_bits = key_bits;
   c.pool_chunk_bytes = pool_chunk_bytes;
   c.pin_upfront = pin_upfront;
+  if (eviction == "lru") {
+    c.eviction = hicache::EvictionPolicy::kLru;
+  } else if (eviction == "leaf-first") {
+    c.eviction = hicache::EvictionPolicy::kLeafFirst;
+  } else {
+    throw std::invalid_argument("eviction must be 'leaf-first' or 'lru', not '" + eviction + "'");
+  }
   std::shared_ptr<hicache::Copier> chosen;
   if (copier == "deferred") {
     out.deferred = std::make_shared<hicache::DeferredCopier>();
     chosen = out.deferred;
+  } else if (copier == "null") {
+    chosen = std::make_shared<hicache::NullCopier>();
   } else if (copier == "cpu") {
     chosen = std::make_shared<hicache::CpuCopier>();
   } else if (copier == "cuda") {
@@ -130,8 +140,8 @@ PyCache make_cache(std::vector<nb::ndarray<>> segments, std::int64_t block_token
       chosen = hicache::make_cuda_copier(device.index, {cuda_blocks, 1024});
     }
   } else {
-    throw std::invalid_argument("copier must be 'auto', 'cpu', 'cuda' or 'deferred', not '" +
-                                copier + "'");
+    throw std::invalid_argument(
+        "copier must be 'auto', 'cpu', 'cuda', 'deferred' or 'null', not '" + copier + "'");
   }
   out.cache = std::make_unique<hicache::HostPrefixCache>(std::move(segs), device, c, chosen);
   out.segments = std::move(segments);
@@ -255,15 +265,16 @@ NB_MODULE(_core, m) {
              std::int64_t capacity_pages, std::int64_t keep_tokens, std::int64_t state_bytes,
              std::int64_t capacity_states, std::int64_t state_lookback, nb::bytes salt,
              std::int64_t error_limit, int key_bits, std::size_t pool_chunk_bytes,
-             const std::string& copier, int cuda_blocks, bool pin_upfront) {
-            new (self)
-                PyCache(make_cache(std::move(segments), block_tokens, capacity_pages, keep_tokens,
-                                   state_bytes, capacity_states, state_lookback, salt, error_limit,
-                                   key_bits, pool_chunk_bytes, copier, cuda_blocks, pin_upfront));
+             const std::string& copier, int cuda_blocks, bool pin_upfront,
+             const std::string& eviction) {
+            new (self) PyCache(make_cache(std::move(segments), block_tokens, capacity_pages,
+                                          keep_tokens, state_bytes, capacity_states, state_lookback,
+                                          salt, error_limit, key_bits, pool_chunk_bytes, copier,
+                                          cuda_blocks, pin_upfront, eviction));
           },
           "segments"_a, "block_tokens"_a, "capacity_pages"_a, "keep_tokens"_a, "state_bytes"_a,
           "capacity_states"_a, "state_lookback"_a, "salt"_a, "error_limit"_a, "key_bits"_a,
-          "pool_chunk_bytes"_a, "copier"_a, "cuda_blocks"_a, "pin_upfront"_a)
+          "pool_chunk_bytes"_a, "copier"_a, "cuda_blocks"_a, "pin_upfront"_a, "eviction"_a)
       .def("try_resume", &try_resume, "request_id"_a, "prompt"_a.noconvert(), "allocate"_a,
            "stream"_a, "state_out"_a.noconvert().none(), "salt"_a.none())
       .def("store", &store, "request_id"_a, "tokens"_a.noconvert(), "block_ids"_a.noconvert(),

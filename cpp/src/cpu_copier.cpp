@@ -37,7 +37,19 @@ class DoneFence final : public Fence {
   void wait() noexcept override {}
 };
 
+// Hands out addresses no copy will ever touch.
+class NoMemory final : public HostAllocator {
+ public:
+  void* allocate(std::size_t) override { return reinterpret_cast<void*>(std::uintptr_t{1} << 44); }
+  void deallocate(void*, std::size_t) noexcept override {}
+  const char* name() const override { return "none"; }
+};
+
 }  // namespace
+
+NullCopier::NullCopier() : allocator_(std::make_shared<NoMemory>()) {}
+
+std::unique_ptr<Fence> NullCopier::record(StreamHandle) { return std::make_unique<DoneFence>(); }
 
 CpuCopier::CpuCopier(std::shared_ptr<HostAllocator> allocator) : allocator_(std::move(allocator)) {}
 

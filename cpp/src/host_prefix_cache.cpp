@@ -34,7 +34,7 @@ HostPrefixCache::HostPrefixCache(std::vector<Segment> segments, Device device, C
     : layout_(std::move(segments), device),
       config_(validated(std::move(config))),
       copier_(copier ? std::move(copier) : default_copier(device)),
-      pages_(config_.capacity_pages),
+      pages_(config_.capacity_pages, config_.eviction),
       states_(config_.state_bytes > 0 ? config_.capacity_states : 0) {
   if (!copier_->supports(device)) {
     throw std::invalid_argument("the copier cannot reach segments on " + device.str());
@@ -64,6 +64,15 @@ HostPrefixCache::~HostPrefixCache() {
 }
 
 // --- bookkeeping -------------------------------------------------------------------------------
+
+void HostPrefixCache::touch_chain(const std::vector<Entry*>& chain) {
+  // The last page touched becomes the most recently used.
+  if (config_.eviction == EvictionPolicy::kLeafFirst) {
+    for (auto it = chain.rbegin(); it != chain.rend(); ++it) pages_.touch(*it);
+  } else {
+    for (Entry* e : chain) pages_.touch(e);
+  }
+}
 
 std::uint64_t HostPrefixCache::root_serial(std::string_view salt) {
   auto [it, inserted] = roots_.try_emplace(std::string(salt), 0);
@@ -264,7 +273,7 @@ std::int64_t HostPrefixCache::try_resume(std::string_view request_id,
   register_transfer(std::move(t), stream, failed);
   if (failed) return 0;
   note_success();
-  for (Entry* e : matched) pages_.touch(e);
+  touch_chain(matched);
   if (state) states_.touch(state);
   ++stats_.hits;
   stats_.hit_tokens += tokens;
@@ -372,7 +381,7 @@ std::int64_t HostPrefixCache::store(std::string_view request_id,
     note_success();
   }
   for (Entry* e : held) pages_.unpin(e);
-  for (Entry* e : chain) pages_.touch(e);
+  touch_chain(chain);
   stats_.pages_stored += new_pages;
 
   if (config_.state_bytes > 0 && state_export) {

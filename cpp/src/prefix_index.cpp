@@ -4,7 +4,8 @@
 
 namespace hicache {
 
-PrefixIndex::PrefixIndex(std::int64_t capacity) : capacity_(capacity) {
+PrefixIndex::PrefixIndex(std::int64_t capacity, EvictionPolicy policy)
+    : capacity_(capacity), policy_(policy) {
   if (capacity < 0) throw std::invalid_argument("index capacity must be >= 0");
   map_.reserve(static_cast<std::size_t>(capacity));
 }
@@ -21,9 +22,11 @@ std::int64_t PrefixIndex::take_slot() {
     return s;
   }
   if (next_unused_slot_ < capacity_) return next_unused_slot_++;
+  const bool leaves_only = policy_ == EvictionPolicy::kLeafFirst;
   for (Entry* e = lru_head_; e != nullptr; e = e->lru_next) {
-    if (e->refs == 0) {
+    if (e->refs == 0 && !(leaves_only && children_.count(e->serial) != 0)) {
       const std::int64_t s = e->slot;
+      forget_child(e);
       unlink(e);
       map_.erase(e->key);
       ++evictions_;
@@ -45,13 +48,20 @@ Entry* PrefixIndex::insert(const Key& key, std::uint64_t serial, std::uint64_t p
   e.refs = 1;
   ++busy_;
   e.ready = false;
+  ++children_[parent_serial];
   link_mru(&e);
   return &e;
+}
+
+void PrefixIndex::forget_child(const Entry* e) {
+  auto it = children_.find(e->parent_serial);
+  if (it != children_.end() && --it->second == 0) children_.erase(it);
 }
 
 void PrefixIndex::erase(Entry* e) {
   if (e->refs != 0) throw std::logic_error("PrefixIndex::erase: entry is held by a transfer");
   free_slots_.push_back(e->slot);
+  forget_child(e);
   unlink(e);
   map_.erase(e->key);
 }

@@ -12,7 +12,8 @@ from ._core import HostPrefixCache as _CoreCache
 ArrayLike = Any  # torch.Tensor, numpy.ndarray, or anything exporting DLPack
 Allocate = Callable[[int], "Sequence[int] | ArrayLike | None"]
 StateExport = Callable[[int], "ArrayLike | None"]
-CopierKind = Literal["auto", "cpu", "cuda", "deferred"]
+CopierKind = Literal["auto", "cpu", "cuda", "deferred", "null"]
+Eviction = Literal["leaf-first", "lru"]
 
 
 class HostPrefixCache:
@@ -32,8 +33,11 @@ class HostPrefixCache:
         state_lookback: ``store`` saves states at this many of the last block boundaries.
         salt: namespace of every chain unless a call passes its own (tenants never share).
         error_limit: consecutive cache failures after which the cache disables itself.
-        copier: ``"auto"`` (CUDA for CUDA segments, else CPU), ``"cpu"``, ``"cuda"``, or
-            ``"deferred"`` (tests: copies run at :meth:`complete_transfers`).
+        copier: ``"auto"`` (CUDA for CUDA segments, else CPU), ``"cpu"``, ``"cuda"``,
+            ``"deferred"`` (tests: copies run at :meth:`complete_transfers`) or ``"null"``
+            (moves and allocates nothing: policy simulation, as ``hicache replay`` does).
+        eviction: ``"leaf-first"`` (default: never evicts a page before its cached descendants)
+            or ``"lru"`` (plain LRU, as DeepInfer's hicache; strands descendants).
         cuda_blocks: CTAs of the CUDA copy kernel.
         pool_chunk_bytes: size of one host allocation.
         pin_upfront: CUDA only. False (default): pin the first chunk now and each next one on a
@@ -62,6 +66,7 @@ class HostPrefixCache:
         cuda_blocks: int = 4,
         pool_chunk_bytes: int = 1 << 30,
         pin_upfront: bool = False,
+        eviction: Eviction = "leaf-first",
         key_bits: int = 128,
     ) -> None:
         segs = [segments] if hasattr(segments, "shape") else list(segments)
@@ -92,6 +97,7 @@ class HostPrefixCache:
             copier,
             cuda_blocks,
             pin_upfront,
+            eviction,
         )
         self.block_tokens = block_tokens
         self.state_bytes = state_bytes

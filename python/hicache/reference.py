@@ -30,28 +30,42 @@ class _Entry:
 
 
 class _Index:
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, leaf_first: bool = False) -> None:
         self.capacity = capacity
+        self.leaf_first = leaf_first
         self.entries: OrderedDict[bytes, _Entry] = OrderedDict()  # least recently used first
+        self.children: dict[int, int] = {}  # parent serial -> cached children
         self.evictions = 0
+
+    def _evictable(self, e: _Entry) -> bool:
+        return e.refs == 0 and not (self.leaf_first and e.serial in self.children)
+
+    def _drop(self, e: _Entry) -> None:
+        left = self.children.get(e.parent_serial, 0) - 1
+        if left > 0:
+            self.children[e.parent_serial] = left
+        else:
+            self.children.pop(e.parent_serial, None)
+        del self.entries[e.key]
 
     def find(self, key: bytes) -> _Entry | None:
         return self.entries.get(key)
 
     def insert(self, key: bytes, serial: int, parent_serial: int) -> _Entry | None:
         if len(self.entries) >= self.capacity:
-            victim = next((e for e in self.entries.values() if e.refs == 0), None)
+            victim = next((e for e in self.entries.values() if self._evictable(e)), None)
             if victim is None:
                 return None
-            del self.entries[victim.key]
+            self._drop(victim)
             self.evictions += 1
         e = _Entry(key, serial, parent_serial)
         self.entries[key] = e
+        self.children[parent_serial] = self.children.get(parent_serial, 0) + 1
         return e
 
     def erase(self, e: _Entry) -> None:
         assert e.refs == 0
-        del self.entries[e.key]
+        self._drop(e)
 
     def touch(self, e: _Entry) -> None:
         self.entries.move_to_end(e.key)
@@ -94,6 +108,7 @@ class ReferenceCache:
         salt: bytes = b"",
         copier: str = "cpu",
         key_bits: int = 128,
+        eviction: str = "leaf-first",
     ) -> None:
         self.segments = list(segments)
         self.block_tokens = block_tokens
@@ -103,7 +118,8 @@ class ReferenceCache:
         self.salt = salt
         self.deferred = copier == "deferred"
         self.key_bits = key_bits
-        self.pages = _Index(capacity_pages)
+        self.leaf_first = eviction == "leaf-first"
+        self.pages = _Index(capacity_pages, self.leaf_first)
         self.states = _Index(capacity_states if state_bytes > 0 else 0)
         self.transfers: list[_Transfer] = []
         self.requests: dict[str, int] = {}
@@ -192,6 +208,11 @@ class ReferenceCache:
             n += 1
         return n
 
+    def _touch_chain(self, chain: list[_Entry]) -> None:
+        # The last page touched becomes the most recently used: leaf-first ages leaves first.
+        for e in reversed(chain) if self.leaf_first else chain:
+            self.pages.touch(e)
+
     def _keys(self, tokens: np.ndarray, salt: bytes, max_pages: int | None = None) -> list[bytes]:
         keys = reference_chain_keys(tokens, self.block_tokens, salt, self.key_bits)
         return keys if max_pages is None else keys[: max(0, max_pages)]
@@ -271,8 +292,7 @@ class ReferenceCache:
             )
         t = _Transfer(request_id, False, stream, self._record(stream), matched, [state] if state else [])
         self._register(t)
-        for e in matched:
-            self.pages.touch(e)
+        self._touch_chain(matched)
         if state is not None:
             self.states.touch(state)
         self.c["hits"] += 1
@@ -343,8 +363,7 @@ class ReferenceCache:
             self._register(_Transfer(request_id, True, stream, self._record(stream), new))
         for e in held:
             e.refs -= 1
-        for e in chain:
-            self.pages.touch(e)
+        self._touch_chain(chain)
         self.c["pages_stored"] += len(moves)
         if self.state_bytes > 0 and state_export is not None:
             serials = [e.serial for e in chain]

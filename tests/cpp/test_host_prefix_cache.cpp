@@ -262,7 +262,9 @@ TEST(HostPrefixCache, LruEvictsTheLeastRecentlyUsedChain) {
 TEST(HostPrefixCache, StaleChildOfAReplacedParentIsNotServedThenReplaced) {
   FakeEngine eng(16, {64});
   auto copier = std::make_shared<hicache::DeferredCopier>();
-  HostPrefixCache cache(eng.segments(), {}, small_config(4), copier);
+  CacheConfig c = small_config(4);
+  c.eviction = hicache::EvictionPolicy::kLru;  // evicts a parent before its child
+  HostPrefixCache cache(eng.segments(), {}, c, copier);
   auto* s1 = reinterpret_cast<hicache::StreamHandle>(1);
   auto* s2 = reinterpret_cast<hicache::StreamHandle>(2);
   const auto ab = tokens(33);  // pages a, b
@@ -284,6 +286,22 @@ TEST(HostPrefixCache, StaleChildOfAReplacedParentIsNotServedThenReplaced) {
   cache.store("8", ab, ids(0, 2));  // replaces the stale b
   copier->complete();
   EXPECT_EQ(cache.try_resume("9", ab, give(ids(8, 2))), 32);
+}
+
+TEST(HostPrefixCache, LruStrandsAChildWhileLeafFirstEvictsLeavesFirst) {
+  FakeEngine eng(8, {64});
+  const auto ab = tokens(33), c = tokens(17, 500), d = tokens(17, 900);
+  auto run = [&](hicache::EvictionPolicy policy) {
+    CacheConfig cfg = small_config(3);
+    cfg.eviction = policy;
+    HostPrefixCache cache(eng.segments(), {}, cfg);
+    cache.store("1", ab, ids(0, 3));  // pages a, b
+    cache.store("2", c, ids(3, 2));
+    cache.store("3", d, ids(5, 2));  // the pool is full: one page of chain a-b goes
+    return cache.try_resume("4", ab, give(ids(0, 2)));
+  };
+  EXPECT_EQ(run(hicache::EvictionPolicy::kLru), 0);         // a went; b is stranded
+  EXPECT_EQ(run(hicache::EvictionPolicy::kLeafFirst), 16);  // b went; a still serves
 }
 
 TEST(HostPrefixCache, CollidingKeysNeverServeAnotherPrefix) {

@@ -73,3 +73,19 @@ TEST(PrefixIndex, LruOrderListsLeastRecentFirst) {
   for (const hicache::Entry* e : idx.lru_order()) order.push_back(e->key.bytes[0]);
   EXPECT_EQ(order, (std::vector<int>{2, 3, 1, 0}));
 }
+
+TEST(PrefixIndex, LeafFirstSkipsEntriesWithCachedChildren) {
+  hicache::PrefixIndex idx(3, hicache::EvictionPolicy::kLeafFirst);
+  hicache::Entry* root = idx.insert(key(0), 10, 1);
+  hicache::Entry* child = idx.insert(key(1), 11, 10);  // child of root
+  hicache::Entry* other = idx.insert(key(2), 12, 1);
+  for (hicache::Entry* e : {root, child, other}) idx.unpin(e);
+  // LRU order root, child, other: root has a child, so the child goes first.
+  ASSERT_NE(idx.insert(key(3), 13, 1), nullptr);
+  EXPECT_EQ(idx.find(key(1)), nullptr);
+  EXPECT_NE(idx.find(key(0)), nullptr);
+  idx.unpin(idx.find(key(3)));
+  // Now root is childless and least recent.
+  ASSERT_NE(idx.insert(key(4), 14, 1), nullptr);
+  EXPECT_EQ(idx.find(key(0)), nullptr);
+}

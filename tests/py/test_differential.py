@@ -30,18 +30,21 @@ def conversation_prompts(rng: np.random.Generator, vocab: int) -> list[np.ndarra
 
 
 @pytest.mark.parametrize(
-    "copier,state_bytes,key_bits,capacity,seed",
+    "copier,state_bytes,key_bits,capacity,seed,eviction",
     [
-        ("cpu", 0, 128, 12, 1),
-        ("deferred", 0, 128, 10, 2),
-        ("deferred", 24, 128, 14, 3),
-        ("cpu", 24, 5, 12, 4),
-        ("deferred", 0, 4, 9, 5),
-        ("deferred", 40, 128, 30, 6),
+        ("cpu", 0, 128, 12, 1, "leaf-first"),
+        ("deferred", 0, 128, 10, 2, "leaf-first"),
+        ("deferred", 24, 128, 14, 3, "leaf-first"),
+        ("cpu", 24, 5, 12, 4, "leaf-first"),
+        ("deferred", 0, 4, 9, 5, "leaf-first"),
+        ("deferred", 40, 128, 30, 6, "leaf-first"),
+        ("cpu", 0, 128, 12, 7, "lru"),
+        ("deferred", 24, 128, 14, 8, "lru"),
+        ("deferred", 0, 4, 9, 9, "lru"),
     ],
 )
 def test_cpp_cache_matches_the_reference_over_random_operations(
-    copier: str, state_bytes: int, key_bits: int, capacity: int, seed: int
+    copier: str, state_bytes: int, key_bits: int, capacity: int, seed: int, eviction: str
 ) -> None:
     rng = np.random.default_rng(seed)
     vocab = 4 if key_bits < 128 else 1000
@@ -57,6 +60,7 @@ def test_cpp_cache_matches_the_reference_over_random_operations(
         state_lookback=3,
         copier=copier,
         key_bits=key_bits,
+        eviction=eviction,
     )
     c = hicache.HostPrefixCache(eng_c.segments, **common)  # type: ignore[arg-type]
     r = ReferenceCache(eng_r.segments, **common)  # type: ignore[arg-type]

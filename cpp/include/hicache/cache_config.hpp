@@ -5,6 +5,8 @@
 #include <cstdint>
 #include <string>
 
+#include "hicache/prefix_index.hpp"
+
 namespace hicache {
 
 struct CacheConfig {
@@ -25,6 +27,8 @@ struct CacheConfig {
   std::string salt;
   /// Consecutive cache failures after which the cache disables itself.
   std::int64_t error_limit = 8;
+  /// Which idle page gives up its slot when the pool is full (states always use kLru).
+  EvictionPolicy eviction = EvictionPolicy::kLeafFirst;
   /// Tests only: keep this many bits of each chain key (128 = the real hash). Fewer bits make
   /// collisions common, to show that exact matching never serves another prefix's page.
   int key_bits = 128;

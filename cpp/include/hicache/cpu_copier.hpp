@@ -27,6 +27,21 @@ class CpuCopier : public Copier {
   std::shared_ptr<HostAllocator> allocator_;
 };
 
+/// Moves nothing and allocates nothing: every transfer completes at once and host slots are
+/// fake addresses never dereferenced. For replaying traces through the real index and policy.
+class NullCopier : public Copier {
+ public:
+  NullCopier();
+  void copy_pages(Direction, const PageLayout&, std::span<const PageMove>, StreamHandle) override {}
+  void copy_bytes(Direction, const DeviceBuffer&, std::byte*, StreamHandle) override {}
+  std::unique_ptr<Fence> record(StreamHandle stream) override;
+  std::shared_ptr<HostAllocator> host_allocator() override { return allocator_; }
+  bool supports(Device) const override { return true; }
+
+ private:
+  std::shared_ptr<HostAllocator> allocator_;
+};
+
 /// Test copier modelling an asynchronous device on the CPU: each stream is a queue; copies only
 /// happen, and fences only complete, when complete() is called for their stream (or a fence is
 /// waited on, as the cache does on teardown). A slot reused while its transfer is pending would

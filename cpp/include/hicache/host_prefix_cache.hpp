@@ -100,6 +100,7 @@ class HostPrefixCache {
   };
 
   std::int64_t retire_completed();
+  void touch_chain(const std::vector<Entry*>& chain);
   void finish(Transfer& t);
   std::uint64_t root_serial(std::string_view salt);
   void note_request(std::string_view request_id);

@@ -31,10 +31,21 @@ struct Entry {
   Entry* lru_next = nullptr;  ///< towards most recently used
 };
 
+/// Which idle entry gives up its slot when the index is full.
+enum class EvictionPolicy {
+  /// The least recently used idle entry (DeepInfer's hicache). Chains are touched root first, so
+  /// a root is older than its descendants and is evicted first, stranding them.
+  kLru,
+  /// The least recently used idle entry that no cached entry names as its parent. Chains are
+  /// touched leaf first, so within a chain leaves age first; a page is never evicted before its
+  /// cached descendants, so nothing is stranded while its ancestors are evicted.
+  kLeafFirst,
+};
+
 class PrefixIndex {
  public:
   /// @throws std::invalid_argument if capacity < 0.
-  explicit PrefixIndex(std::int64_t capacity);
+  explicit PrefixIndex(std::int64_t capacity, EvictionPolicy policy = EvictionPolicy::kLru);
   PrefixIndex(const PrefixIndex&) = delete;
   PrefixIndex& operator=(const PrefixIndex&) = delete;
 
@@ -66,6 +77,7 @@ class PrefixIndex {
   void link_mru(Entry* e);
   void unlink(Entry* e);
   std::int64_t take_slot();
+  void forget_child(const Entry* e);
 
   std::unordered_map<Key, Entry, KeyHash> map_;
   Entry* lru_head_ = nullptr;  // least recently used
@@ -75,6 +87,8 @@ class PrefixIndex {
   std::int64_t capacity_;
   std::int64_t evictions_ = 0;
   std::int64_t busy_ = 0;
+  EvictionPolicy policy_;
+  std::unordered_map<std::uint64_t, std::int32_t> children_;  // parent serial -> cached children
 };
 
 }  // namespace hicache
