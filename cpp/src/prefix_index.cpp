@@ -1,5 +1,6 @@
 #include "hicache/prefix_index.hpp"
 
+#include <algorithm>
 #include <stdexcept>
 
 namespace hicache {
@@ -7,7 +8,8 @@ namespace hicache {
 PrefixIndex::PrefixIndex(std::int64_t capacity, EvictionPolicy policy)
     : capacity_(capacity), policy_(policy) {
   if (capacity < 0) throw std::invalid_argument("index capacity must be >= 0");
-  map_.reserve(static_cast<std::size_t>(capacity));
+  // Reserve for a full pool, but not for an "unbounded" one (replay uses huge capacities).
+  map_.reserve(static_cast<std::size_t>(std::min<std::int64_t>(capacity, std::int64_t{1} << 22)));
 }
 
 Entry* PrefixIndex::find(const Key& key) {

@@ -86,6 +86,35 @@ def _demo(args: argparse.Namespace) -> int:
     return 0 if mismatched == 0 else 1
 
 
+def _replay(args: argparse.Namespace) -> int:
+    from . import replay
+
+    try:
+        capacities = [replay.parse_capacity(c, args.page_bytes) for c in args.capacity.split(",")]
+        policies = [p.strip() for p in args.policy.split(",") if p.strip()]
+        for p in policies:
+            if p not in ("leaf-first", "lru"):
+                raise ValueError(f"unknown policy {p!r}: choose from leaf-first, lru")
+        traces = [replay.load_trace(t, args.limit) for t in args.trace]
+    except (OSError, ValueError) as e:
+        print(f"hicache replay: {e}", file=sys.stderr)
+        return 2
+    log = None if args.quiet else replay.log_stderr
+    by_trace = {}
+    for trace in traces:
+        results = replay.run(trace, capacities, policies, args.keep_tokens, not args.no_optimum, log)
+        by_trace[trace.name] = results
+        if not args.json:
+            print(replay.format_table(trace, results) + "\n")
+    if args.json:
+        print(json.dumps({name: [r.as_dict() for r in rs] for name, rs in by_trace.items()}))
+    if args.plot:
+        replay.plot(by_trace, args.plot)
+        if not args.json:
+            print(f"plot written to {args.plot}")
+    return 0
+
+
 def _info(args: argparse.Namespace) -> int:
     print(json.dumps({"version": __version__, "cuda_available": cuda_available()}))
     return 0
@@ -102,6 +131,27 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--json", action="store_true", help="print one JSON object")
     d.set_defaults(func=_demo)
+    r = sub.add_parser("replay", help="replay Mooncake traces through the index; policies vs the optimum")
+    r.add_argument("trace", nargs="+", help="Mooncake FAST'25 trace (JSON lines)")
+    r.add_argument(
+        "--capacity",
+        default="1M,3M,10M,30M",
+        help="comma-separated: tokens (3M), bytes (64GiB, see --page-bytes) or inf",
+    )
+    r.add_argument("--policy", default="leaf-first,lru", help="comma-separated: leaf-first, lru")
+    r.add_argument("--keep-tokens", type=int, default=1, help="tokens always left to compute (>= 1)")
+    r.add_argument(
+        "--page-bytes",
+        type=int,
+        default=16 << 20,
+        help="bytes of one 128-token page, for byte capacities (default: Llama-3-8B bf16)",
+    )
+    r.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
+    r.add_argument("--no-optimum", action="store_true", help="skip Belady's offline optimum")
+    r.add_argument("--plot", metavar="PNG", help="write hit ratio vs capacity, per policy")
+    r.add_argument("--json", action="store_true", help="print one JSON object")
+    r.add_argument("--quiet", action="store_true", help="no progress on stderr")
+    r.set_defaults(func=_replay)
     i = sub.add_parser("info", help="version and CUDA availability")
     i.set_defaults(func=_info)
     args = p.parse_args(argv)
