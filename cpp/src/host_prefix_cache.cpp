@@ -84,6 +84,15 @@ void HostPrefixCache::note_request(std::string_view request_id) {
   requests_.try_emplace(std::string(request_id), 0);
 }
 
+std::byte* HostPrefixCache::host_slot(HostPool& pool, std::int64_t slot) {
+  try {
+    return pool.slot(slot);  // nullptr while its chunk is still being pinned
+  } catch (const Error& err) {
+    note_error(err.what());  // the allocation failed: counted, and the store skips
+    return nullptr;
+  }
+}
+
 void HostPrefixCache::note_error(const std::string& what) {
   ++stats_.errors;
   stats_.last_error = what;
@@ -344,13 +353,8 @@ std::int64_t HostPrefixCache::store(std::string_view request_id,
       skipped = true;
       break;
     }
-    std::byte* host = nullptr;
-    try {
-      host = page_pool_->slot(e->slot);
-    } catch (const Error& err) {
-      note_error(err.what());
-    }
-    if (host == nullptr) {  // allocation failed, or the chunk is still being pinned
+    std::byte* host = host_slot(*page_pool_, e->slot);
+    if (host == nullptr) {
       pages_.unpin(e);
       pages_.erase(e);
       skipped = true;
@@ -440,13 +444,8 @@ bool HostPrefixCache::store_state(std::string_view request_id, const Key& key,
   }
   Entry* e = states_.insert(key, next_serial_++, page_serial);
   if (e == nullptr) return false;
-  std::byte* host = nullptr;
-  try {
-    host = state_pool_->slot(e->slot);
-  } catch (const Error& err) {
-    note_error(err.what());
-  }
-  if (host == nullptr) {  // allocation failed, or the chunk is still being pinned
+  std::byte* host = host_slot(*state_pool_, e->slot);
+  if (host == nullptr) {
     states_.unpin(e);
     states_.erase(e);
     return false;

@@ -302,7 +302,7 @@ def format_table(trace: Trace, results: Sequence[Result]) -> str:
         "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in results:
-        cap = "inf" if r.unbounded else f"{r.capacity_tokens / 1e6:g}M"
+        cap = "inf" if r.unbounded else f"{r.capacity_tokens:,}"
         opt = best.get(r.capacity_tokens)
         of_opt = f"{r.hit_tokens / opt:.3f}" if opt else "-"
         lines.append(

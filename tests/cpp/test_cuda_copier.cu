@@ -11,8 +11,12 @@
 #include <vector>
 
 #include "hicache/hicache.hpp"
+#include "test_support.hpp"
 
 namespace {
+
+using hicache_test::ids;
+using hicache_test::tokens;
 
 #define CK(call) ASSERT_EQ((call), cudaSuccess) << #call
 
@@ -71,18 +75,6 @@ class DevicePool {
 };
 
 const hicache::Device kGpu{hicache::DeviceKind::kCuda, 0};
-
-std::vector<std::int32_t> tokens(std::size_t n, std::int32_t start = 0) {
-  std::vector<std::int32_t> t(n);
-  for (std::size_t i = 0; i < n; ++i) t[i] = start + static_cast<std::int32_t>(i);
-  return t;
-}
-
-std::vector<std::int64_t> ids(std::int64_t first, std::int64_t n) {
-  std::vector<std::int64_t> v;
-  for (std::int64_t i = 0; i < n; ++i) v.push_back(first + i);
-  return v;
-}
 
 hicache::HostPrefixCache::AllocateFn give(std::int64_t first) {
   return [first](std::int64_t n) -> std::optional<std::vector<std::int64_t>> {

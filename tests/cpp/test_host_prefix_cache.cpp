@@ -11,8 +11,12 @@
 #include <thread>
 
 #include "hicache/hicache.hpp"
+#include "test_support.hpp"
 
 namespace {
+
+using hicache_test::ids;
+using hicache_test::tokens;
 
 using hicache::CacheConfig;
 using hicache::HostPrefixCache;
@@ -79,18 +83,6 @@ class FakeEngine {
   std::vector<std::vector<std::byte>> mem_;
   std::vector<hicache::Segment> segments_;
 };
-
-std::vector<std::int32_t> tokens(std::size_t n, std::int32_t start = 0) {
-  std::vector<std::int32_t> t(n);
-  for (std::size_t i = 0; i < n; ++i) t[i] = start + static_cast<std::int32_t>(i);
-  return t;
-}
-
-std::vector<std::int64_t> ids(std::int64_t first, std::int64_t n) {
-  std::vector<std::int64_t> v;
-  for (std::int64_t i = 0; i < n; ++i) v.push_back(first + i);
-  return v;
-}
 
 HostPrefixCache::AllocateFn give(std::vector<std::int64_t> blocks) {
   return [blocks](std::int64_t n_tokens) -> std::optional<std::vector<std::int64_t>> {

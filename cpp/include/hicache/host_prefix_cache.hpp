@@ -105,6 +105,8 @@ class HostPrefixCache {
   std::uint64_t root_serial(std::string_view salt);
   void note_request(std::string_view request_id);
   void note_error(const std::string& what);
+  // The slot's address, or nullptr if its memory is not there (yet): allocation errors counted.
+  std::byte* host_slot(HostPool& pool, std::int64_t slot);
   void note_success() { consecutive_errors_ = 0; }
   // Registers what was enqueued so far; if no fence can be recorded the entries stay held
   // forever (never reused while a copy might still touch them).
