@@ -39,6 +39,10 @@ python3 -c "import hicache; print('cuda_available', hicache.cuda_available())" |
 
 if [ "$phase" = test ] || [ "$phase" = all ]; then
 run ctest bash -c "cd build/gpu && ctest --output-on-failure"
+run example-gpu bash -c "cmake --install build/gpu --prefix build/gpu-install && \
+  cmake -S examples/cpp -B build/gpu-example -G Ninja -DCMAKE_PREFIX_PATH=\$PWD/build/gpu-install \
+    -DCMAKE_CUDA_ARCHITECTURES=90 && cmake --build build/gpu-example && \
+  build/gpu-example/example_engine --gpu && build/gpu-example/example_engine"
 run lazy-pinning build/gpu/hicache_tests --gtest_filter="CudaCopier.LazyPinning*"
 run pytest bash -c "cd tests/py && python3 -m pytest -q -rs -p no:cacheprovider ."
 # The sanitizers serialize kernels, so tests that assert a kernel is still running cannot hold

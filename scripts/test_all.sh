@@ -25,7 +25,10 @@ step "python environment ($venv)"
 "$venv/bin/python" -m pip install -q -r requirements-test.txt >>"$logs/pip.log" 2>&1 || { cat "$logs/pip.log"; exit 1; }
 export PATH=$venv/bin:$PATH
 
-step "lint: ruff, clang-format"
+step "lint: ruff, clang-format, public headers free of CUDA and nanobind"
+if grep -rnE '#include *<(cuda|nanobind|cub)' cpp/include; then
+  echo "public headers must not include CUDA or nanobind headers"; exit 1
+fi
 ruff check python tests bench
 clang-format --dry-run -Werror $(git ls-files '*.hpp' '*.cpp' '*.cu' '*.cuh')
 
@@ -39,6 +42,24 @@ cmake -S . -B build/cpp-asan -G Ninja -DHICACHE_BUILD_TESTS=ON -DHICACHE_SANITIZ
   -DHICACHE_BUILD_CUDA=OFF -DCMAKE_BUILD_TYPE=Debug >"$logs/cmake-asan.log"
 cmake --build build/cpp-asan >"$logs/build-asan.log" 2>&1 || { cat "$logs/build-asan.log"; exit 1; }
 (cd build/cpp-asan && ASAN_OPTIONS=detect_leaks=1 ctest --output-on-failure -j2)
+
+step "C++ embedding: install the package, build and run the example engine against it"
+for variant in cuda nocuda; do
+  if [ $variant = cuda ]; then src=build/cpp; else
+    cmake -S . -B build/cpp-nocuda -G Ninja -DHICACHE_BUILD_CUDA=OFF -DHICACHE_BUILD_TESTS=OFF \
+      -DHICACHE_INSTALL=ON >"$logs/cmake-nocuda.log"
+    cmake --build build/cpp-nocuda >"$logs/build-nocuda.log" 2>&1 || { cat "$logs/build-nocuda.log"; exit 1; }
+    src=build/cpp-nocuda
+  fi
+  rm -rf build/install-$variant build/example-$variant
+  cmake --install $src --prefix build/install-$variant >"$logs/install-$variant.log"
+  cmake -S examples/cpp -B build/example-$variant -G Ninja \
+    -DCMAKE_PREFIX_PATH="$root/build/install-$variant" >"$logs/cmake-example-$variant.log"
+  cmake --build build/example-$variant >"$logs/build-example-$variant.log" 2>&1 ||
+    { cat "$logs/build-example-$variant.log"; exit 1; }
+  echo "example engine against the $variant install:"
+  build/example-$variant/example_engine | tail -4
+done
 
 step "Python: build and install the wheel"
 python -m pip install -q --no-build-isolation . >"$logs/pip-install.log" 2>&1 || { cat "$logs/pip-install.log"; exit 1; }
