@@ -6,84 +6,83 @@ import argparse
 import json
 import sys
 import time
-import zlib
-
-import numpy as np
 
 from . import __version__, cuda_available
-from .cache import HostPrefixCache
 
 
 def _demo(args: argparse.Namespace) -> int:
-    """Store/resume round trips over multi-turn conversations on CPU segments.
+    """A paged-attention engine over multi-turn conversations, with and without hicache."""
+    import dataclasses
 
-    PLACEHOLDER: this exercises the real cache (hash chain, index, copier) with a stand-in for the
-    model (KV bytes derived from the prefix). The paged-attention engine demo replaces it.
-    """
-    rng = np.random.default_rng(args.seed)
-    B, layers = args.block_tokens, 4
-    num_blocks = 2048
-    # Layer-major pool: one K and one V tensor per layer, [num_blocks, B, heads*dim] float16.
-    segments = [np.zeros((num_blocks, B, 64), dtype=np.float16) for _ in range(2 * layers)]
-    cache = HostPrefixCache(segments, block_tokens=B, capacity_pages=args.capacity_pages)
+    import torch
 
-    def prefill(tokens: np.ndarray, blocks: list[int], start: int) -> None:
-        # Stand-in for the model: every block's KV is a function of its whole prefix.
-        for i in range(start // B, len(tokens) // B):
-            seed = zlib.crc32(tokens[: (i + 1) * B].tobytes())
-            vals = np.random.default_rng(seed).standard_normal((len(segments), B, 64))
-            for s, seg in enumerate(segments):
-                seg[blocks[i]] = vals[s].astype(np.float16)
+    from .demo import PRESETS, PagedEngine, TinyTransformer, make_conversations
+    from .demo.runner import run_workload, summarize
 
-    free = list(range(num_blocks))
-    served = total = mismatched = 0
+    if args.device == "auto":
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    else:
+        device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("hicache demo: --device cuda, but torch sees no GPU", file=sys.stderr)
+        return 2
+    cfg = PRESETS[args.model]
+    if args.window:
+        cfg = dataclasses.replace(cfg, window=args.window)
+    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    torch.manual_seed(args.seed)
+    model = TinyTransformer(cfg, device, dtype, seed=args.seed)
+    convs = make_conversations(
+        args.conversations, args.turns, cfg.vocab, args.first_tokens, args.user_tokens, seed=args.seed
+    )
+    longest = args.first_tokens * 3 // 2 + (args.turns - 1) * (args.user_tokens * 3 // 2 + args.new_tokens)
+    blocks = (longest + args.new_tokens) // args.block_tokens + 2
+    log = None if args.json else (lambda s: (sys.stderr.write(s), sys.stderr.flush()))
+    plain = PagedEngine(model, num_blocks=blocks, block_tokens=args.block_tokens)
+    cached = PagedEngine(
+        model,
+        num_blocks=blocks,
+        block_tokens=args.block_tokens,
+        cache_pages=args.cache_pages,
+        measure_load=device.type == "cuda",
+    )
+    run_workload(plain, convs[:1], args.new_tokens, "warm-up")  # kernels, allocator
     t0 = time.perf_counter()
-    for conv in range(args.conversations):
-        prompt = rng.integers(0, 32000, size=int(rng.integers(B, 4 * B)), dtype=np.int32)
-        for turn in range(args.turns):
-            rid = f"c{conv}t{turn}"
-            n_blocks = (len(prompt) + B - 1) // B
-            blocks = [free.pop() for _ in range(n_blocks)]
-            got = cache.try_resume(rid, prompt, lambda n, b=blocks: b[: n // B])
-            got = max(got, 0)
-            expect = {i: [s[blocks[i]].copy() for s in segments] for i in range(got // B)}
-            prefill(prompt, blocks, got)
-            for i, saved in expect.items():  # what the cache loaded must equal a recompute
-                mismatched += any(
-                    not np.array_equal(a, s[blocks[i]]) for a, s in zip(saved, segments, strict=True)
-                )
-            cache.store(rid, prompt, blocks)
-            cache.poll()
-            cache.forget(rid)
-            free.extend(blocks)
-            served += got
-            total += len(prompt)
-            answer = rng.integers(0, 32000, size=int(rng.integers(16, B)), dtype=np.int32)
-            user = rng.integers(0, 32000, size=int(rng.integers(16, 2 * B)), dtype=np.int32)
-            prompt = np.concatenate([prompt, answer, user])
+    without = run_workload(plain, convs, args.new_tokens, "without cache", log)
+    with_cache = run_workload(cached, convs, args.new_tokens, "with cache", log)
     elapsed = time.perf_counter() - t0
-    s = cache.stats()
+    # The ideal moves the hit bytes at the contiguous cudaMemcpyAsync rate measured on an H200.
+    summary = summarize(with_cache, without, 55.3e9 if device.type == "cuda" else None)
     result = {
-        "placeholder": True,
-        "requests": s.lookups,
-        "prompt_tokens": total,
-        "tokens_from_cache": served,
-        "token_hit_rate": round(served / total, 4) if total else 0.0,
-        "pages_stored": s.pages_stored,
-        "pages_loaded": s.pages_loaded,
-        "pages_evicted": s.pages_evicted,
-        "mismatched_pages": mismatched,
-        "seconds": round(elapsed, 2),
+        "model": args.model,
+        "hybrid_window": cfg.window,
+        "device": str(device),
+        **dataclasses.asdict(summary),
+        "cache": cached.cache.stats_dict() if cached.cache else {},
+        "seconds": round(elapsed, 1),
     }
     if args.json:
-        print(json.dumps(result))
+        print(json.dumps(result, default=str))
     else:
-        print("hicache demo (PLACEHOLDER: cache round trips with a stand-in model; the engine demo")
-        print("replaces it)\n")
-        for k, v in result.items():
-            print(f"  {k:<18} {v}")
-        print("\n  every loaded page identical to a recompute:", "yes" if mismatched == 0 else "NO")
-    return 0 if mismatched == 0 else 1
+        s = summary
+        kind = f"hybrid, sliding window {cfg.window}" if cfg.window else "full attention"
+        print(f"\nhicache demo: {args.model} model ({kind}) on {device}, {args.block_tokens}-token blocks\n")
+        print("|                     | without cache | with hicache |")
+        print("| ------------------- | ------------- | ------------ |")
+        print(f"| requests            | {s.requests:>13} | {s.requests:>12} |")
+        print(f"| prompt tokens       | {s.prompt_tokens:>13} | {s.prompt_tokens:>12} |")
+        print(f"| tokens from cache   | {0:>13} | {s.cached_tokens:>12} |")
+        print(f"| TTFT p50 (ms)       | {s.ttft_p50_without_ms:>13} | {s.ttft_p50_with_ms:>12} |")
+        print(f"| TTFT p90 (ms)       | {s.ttft_p90_without_ms:>13} | {s.ttft_p90_with_ms:>12} |")
+        print(
+            f"\nevery generated token identical with and without the cache: "
+            f"{'yes' if s.tokens_identical else f'NO ({s.mismatched_requests} requests differ)'}"
+        )
+        if s.ideal_ratio_p50 is not None:
+            ideal = "suffix prefill + hit bytes at 55.3 GB/s"
+            print(f"TTFT with cache / ideal ({ideal}), median: {s.ideal_ratio_p50}")
+        print(f"({elapsed:.1f} s)")
+    return 0 if summary.tokens_identical else 1
 
 
 def _replay(args: argparse.Namespace) -> int:
@@ -123,11 +122,19 @@ def _info(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="hicache", description="host-memory KV prefix cache")
     sub = p.add_subparsers(dest="command", required=True)
-    d = sub.add_parser("demo", help="run the demo workload with the cache")
+    d = sub.add_parser(
+        "demo", help="a paged-attention engine over multi-turn conversations, with and without the cache"
+    )
+    d.add_argument("--model", choices=["tiny", "small", "llama3-8b"], default="tiny")
+    d.add_argument("--window", type=int, default=0, help="hybrid model: sliding-window layers of this window")
     d.add_argument("--conversations", type=int, default=8)
-    d.add_argument("--turns", type=int, default=6)
+    d.add_argument("--turns", type=int, default=8)
+    d.add_argument("--first-tokens", type=int, default=600, help="mean length of each first prompt")
+    d.add_argument("--user-tokens", type=int, default=150, help="mean length of each later user message")
+    d.add_argument("--new-tokens", type=int, default=8, help="tokens generated per request")
     d.add_argument("--block-tokens", type=int, default=128)
-    d.add_argument("--capacity-pages", type=int, default=4096)
+    d.add_argument("--cache-pages", type=int, default=4096, help="host pages of the cache")
+    d.add_argument("--device", default="auto", help="auto, cpu or cuda")
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--json", action="store_true", help="print one JSON object")
     d.set_defaults(func=_demo)

@@ -1,0 +1,81 @@
+"""Runs the conversation workload with and without the cache and compares them."""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from .engine import PagedEngine, RequestResult
+from .workload import Conversation
+
+
+def run_workload(
+    engine: PagedEngine,
+    conversations: list[Conversation],
+    new_tokens: int,
+    tag: str,
+    progress: Callable[[str], None] | None = None,
+) -> list[RequestResult]:
+    """Turn by turn, conversation by conversation (so the cache must hold every conversation)."""
+    history = [list(c.first) for c in conversations]
+    turns = 1 + len(conversations[0].user_turns)
+    results = []
+    total = turns * len(conversations)
+    for t in range(turns):
+        for i, conv in enumerate(conversations):
+            prompt = history[i] if t == 0 else history[i] + conv.user_turns[t - 1]
+            res = engine.run_request(f"{tag}-c{i}-t{t}", prompt, new_tokens)
+            results.append(res)
+            history[i] = prompt + res.generated  # the answer is part of the next prompt
+            if progress is not None:
+                progress(f"\r{tag}: request {len(results)}/{total} ({len(prompt)} prompt tokens)")
+    if progress is not None:
+        progress("\n")
+    return results
+
+
+def _pct(values: list[float], q: float) -> float:
+    return statistics.quantiles(values, n=100, method="inclusive")[q - 1] if len(values) > 1 else values[0]
+
+
+@dataclass
+class Summary:
+    requests: int
+    prompt_tokens: int
+    cached_tokens: int
+    ttft_p50_with_ms: float
+    ttft_p90_with_ms: float
+    ttft_p50_without_ms: float
+    ttft_p90_without_ms: float
+    tokens_identical: bool
+    mismatched_requests: int
+    ideal_ratio_p50: float | None = None  # TTFT with cache / (suffix prefill + hit bytes at the DMA rate)
+
+
+def summarize(
+    with_cache: list[RequestResult], without: list[RequestResult], dma_bytes_per_s: float | None = None
+) -> Summary:
+    mismatched = sum(a.generated != b.generated for a, b in zip(with_cache, without, strict=True))
+    w = [r.ttft_s * 1e3 for r in with_cache]
+    wo = [r.ttft_s * 1e3 for r in without]
+    ideal = None
+    if dma_bytes_per_s:
+        ratios = [
+            r.ttft_s / ((r.ttft_s - r.load_s) + r.hit_bytes / dma_bytes_per_s)
+            for r in with_cache
+            if r.cached_tokens > 0
+        ]
+        ideal = round(statistics.median(ratios), 3) if ratios else None
+    return Summary(
+        requests=len(with_cache),
+        prompt_tokens=sum(r.prompt_tokens for r in with_cache),
+        cached_tokens=sum(r.cached_tokens for r in with_cache),
+        ttft_p50_with_ms=round(_pct(w, 50), 2),
+        ttft_p90_with_ms=round(_pct(w, 90), 2),
+        ttft_p50_without_ms=round(_pct(wo, 50), 2),
+        ttft_p90_without_ms=round(_pct(wo, 90), 2),
+        tokens_identical=mismatched == 0,
+        mismatched_requests=mismatched,
+        ideal_ratio_p50=ideal,
+    )
