@@ -4,7 +4,9 @@ import sys
 
 
 def test_info_prints_version_and_cuda_availability() -> None:
-    out = subprocess.run([sys.executable, "-m", "hicache.cli", "info"], check=True, capture_output=True, text=True)
+    out = subprocess.run(
+        [sys.executable, "-m", "hicache.cli", "info"], check=True, capture_output=True, text=True
+    )
     info = json.loads(out.stdout)
     assert info["version"] and isinstance(info["cuda_available"], bool)
 
