@@ -43,6 +43,12 @@ cmake -S . -B build/cpp-asan -G Ninja -DHICACHE_BUILD_TESTS=ON -DHICACHE_SANITIZ
 cmake --build build/cpp-asan >"$logs/build-asan.log" 2>&1 || { cat "$logs/build-asan.log"; exit 1; }
 (cd build/cpp-asan && ASAN_OPTIONS=detect_leaks=1 ctest --output-on-failure -j2)
 
+step "C++: the same suite under ThreadSanitizer (several threads share one cache)"
+cmake -S . -B build/cpp-tsan -G Ninja -DHICACHE_BUILD_TESTS=ON -DHICACHE_TSAN=ON \
+  -DHICACHE_BUILD_CUDA=OFF -DCMAKE_BUILD_TYPE=Debug >"$logs/cmake-tsan.log"
+cmake --build build/cpp-tsan >"$logs/build-tsan.log" 2>&1 || { cat "$logs/build-tsan.log"; exit 1; }
+(cd build/cpp-tsan && TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1" ctest --output-on-failure -j2)
+
 step "C++ embedding: install the package, build and run the example engine against it"
 for variant in cuda nocuda; do
   if [ $variant = cuda ]; then src=build/cpp; else
