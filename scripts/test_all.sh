@@ -73,4 +73,9 @@ python -m pip install -q --no-build-isolation . >"$logs/pip-install.log" 2>&1 ||
 step "Python: pytest"
 (cd tests/py && python -m pytest -q -p no:cacheprovider .)
 
+step "fuzz: 20,000 coverage-guided inputs, C++ cache against the reference (atheris)"
+python tests/fuzz/fuzz_policy.py -runs=20000 -max_len=512 -len_control=0 -seed=1 >"$logs/fuzz.log" 2>&1 ||
+  { tail -40 "$logs/fuzz.log"; exit 1; }
+tail -1 "$logs/fuzz.log"
+
 step "all checks passed"

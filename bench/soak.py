@@ -1,0 +1,102 @@
+"""Soak: mixed operations at full pool occupancy for a while; resident memory and slot accounting
+must stay flat.
+
+    python bench/soak.py --minutes 10 [--device cuda]
+
+Every request stores and resumes prefixes of a rotating set of conversations whose pages exceed
+the pool, so the pool is full and evicting the whole time; some requests are forgotten before
+their copies complete, some allocations are refused. Every few seconds it samples RSS and the
+cache's counters. At the end it fails unless RSS after warm-up grew by less than --max-rss-growth
+MiB, nothing is left busy or in flight once drained, and the pool is exactly full.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import numpy as np
+import torch
+
+import hicache
+
+
+def rss_mib() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--minutes", type=float, default=10.0)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--pages", type=int, default=512, help="host pool capacity in pages")
+    p.add_argument("--max-rss-growth", type=float, default=32.0, help="MiB allowed after warm-up")
+    args = p.parse_args()
+    B, blocks = 128, 1024
+    dev = torch.device(args.device)
+    segs = [torch.zeros(blocks, B, 8, 64, dtype=torch.float16, device=dev) for _ in range(8)]  # 1 MiB pages
+    cache = hicache.HostPrefixCache(segs, block_tokens=B, capacity_pages=args.pages, pin_upfront=True)
+    rng = np.random.default_rng(0)
+    convs = [rng.integers(0, 50000, size=int(rng.integers(8, 40)) * B + 17) for _ in range(64)]  # ~1500 pages
+    t_end = time.time() + args.minutes * 60
+    samples, ops, n = [], 0, 0
+    next_sample = time.time()
+    while time.time() < t_end:
+        conv = convs[int(rng.integers(0, len(convs)))]
+        prompt = conv[: int(rng.integers(B + 1, len(conv) + 1))]
+        table = [int(b) for b in rng.choice(blocks, size=len(prompt) // B + 1, replace=False)]
+        rid = f"r{n}"
+        n += 1
+        refuse = rng.random() < 0.1
+        cache.try_resume(rid, prompt, lambda k, t=table, r=refuse: None if r else t[: k // B])
+        cache.store(rid, prompt, table)
+        if rng.random() < 0.3:
+            cache.forget(rid)  # before polling: a store may still be in flight
+            cache.poll()
+        else:
+            cache.poll()
+            cache.forget(rid)
+        ops += 4
+        if time.time() >= next_sample:
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+            s = cache.stats()
+            samples.append((time.time(), rss_mib(), s.pages_used, s.pages_busy, s.transfers_in_flight, ops))
+            next_sample += 10
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+    cache.poll()
+    s = cache.stats()
+    warm = samples[min(3, len(samples) - 1)][1]
+    peak = max(x[1] for x in samples[3:]) if len(samples) > 3 else warm
+    print(
+        f"{ops} operations in {args.minutes} min on {args.device}: {s.lookups} lookups, {s.hits} hits, "
+        f"{s.pages_stored} pages stored, {s.pages_evicted} evicted, {s.errors} errors"
+    )
+    print(
+        f"RSS after warm-up {warm:.1f} MiB, peak later {peak:.1f} MiB; "
+        f"pool {s.pages_used}/{s.pages_capacity} pages, busy {s.pages_busy}, "
+        f"in flight {s.transfers_in_flight}, requests known {s.requests}"
+    )
+    print("| t (s) | RSS (MiB) | pages used | busy | in flight | operations |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    t0 = samples[0][0]
+    for t, rss, used, busy, fl, o in samples[:: max(1, len(samples) // 12)]:
+        print(f"| {t - t0:.0f} | {rss:.1f} | {used} | {busy} | {fl} | {o} |")
+    ok = (
+        peak - warm < args.max_rss_growth
+        and s.pages_busy == 0
+        and s.transfers_in_flight == 0
+        and s.pages_used == s.pages_capacity
+        and s.requests == 0
+        and s.errors == 0
+    )
+    print("flat and consistent:", "yes" if ok else "NO")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
