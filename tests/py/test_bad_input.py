@@ -183,3 +183,38 @@ def test_cuda_segments_without_a_cuda_build_raise() -> None:
     meta = torch.zeros(8, B, 4, device="meta")
     with pytest.raises((ValueError, TypeError)):
         hicache.HostPrefixCache(meta, block_tokens=B, capacity_pages=4)
+
+
+def test_hostile_calls_leave_canary_bytes_around_the_buffers_intact() -> None:
+    # The segment and the state buffer are views into larger tensors whose guard regions hold a
+    # pattern: no call, good or bad, may write outside the views.
+    backing = torch.full((2 + 8 + 2, B, 4), 7.0, dtype=torch.float16)
+    seg = backing[2:10]
+    state_backing = torch.full((64,), 0x5A, dtype=torch.uint8)
+    state = state_backing[16:48]
+    cache = hicache.HostPrefixCache(seg, block_tokens=B, capacity_pages=4, state_bytes=32, capacity_states=2)
+    seg.zero_()
+    cache.store("a", torch.arange(2 * B + 1), [0, 1, 2], state_export=lambda pos: state)
+    fresh = torch.arange(2 * B) + 99  # a new prefix: the cache asks for its states
+    hostile = [
+        lambda: cache.try_resume("b", torch.arange(2 * B + 1), lambda n: [7, 8], state_out=state),
+        lambda: cache.try_resume("b", torch.arange(2 * B + 1), lambda n: [-1, 0], state_out=state),
+        lambda: cache.try_resume("b", torch.arange(2 * B + 1), lambda n: [2**40, 0], state_out=state),
+        lambda: cache.try_resume("b", torch.arange(2 * B + 1), lambda n: [3, 3], state_out=state),
+        lambda: cache.try_resume("b", torch.arange(2 * B + 1), lambda n: [3, 4], state_out=state_backing),
+        lambda: cache.try_resume("b", torch.arange(2 * B + 1), lambda n: [3, 4], state_out=state[::2]),
+        lambda: cache.store("c", torch.arange(3 * B), [0, 1, 8]),
+        lambda: cache.store("c", torch.arange(3 * B), [0, 1, -2]),
+        lambda: cache.store("c", fresh, [5, 6], state_export=lambda pos: state_backing),
+        lambda: cache.store("c", fresh, [5, 6], state_export=lambda pos: torch.zeros(2, B, 4)),
+    ]
+    for call in hostile:
+        with pytest.raises((ValueError, IndexError, TypeError)):
+            call()
+    assert (backing[:2] == 7.0).all() and (backing[10:] == 7.0).all()
+    assert (state_backing[:16] == 0x5A).all() and (state_backing[48:] == 0x5A).all()
+    assert cache.stats().pages_busy == 0 and cache.stats().states_busy == 0
+    # And the good call still works, writing only inside the views.
+    assert cache.try_resume("d", torch.arange(2 * B + 1), lambda n: [3, 4], state_out=state) == 2 * B
+    assert (backing[:2] == 7.0).all() and (backing[10:] == 7.0).all()
+    assert (state_backing[:16] == 0x5A).all() and (state_backing[48:] == 0x5A).all()
