@@ -39,6 +39,10 @@ class _Sequence:
     table: list[int]
     ring_k: dict[int, torch.Tensor] = field(default_factory=dict)
     ring_v: dict[int, torch.Tensor] = field(default_factory=dict)
+    # The request's K/V of full-attention layers, contiguous, next to the paged pool: attention
+    # reads a prefix view of these instead of gathering the blocks again for every chunk.
+    k_buf: dict[int, torch.Tensor] = field(default_factory=dict)
+    v_buf: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
 class PagedEngine:
@@ -106,11 +110,11 @@ class PagedEngine:
                 seq.ring_k[layer], seq.ring_v[layer] = kk[-cfg.window :], vv[-cfg.window :]
             else:
                 block, off = seq.table[c0 // B], c0 % B
-                self.k_pool[layer][block, off : off + n] = k
+                self.k_pool[layer][block, off : off + n] = k  # what hicache stores
                 self.v_pool[layer][block, off : off + n] = v
-                used = seq.table[: (c1 + B - 1) // B]
-                kk = self.k_pool[layer][used].reshape(-1, cfg.n_kv_heads, cfg.head_dim)[:c1]
-                vv = self.v_pool[layer][used].reshape(-1, cfg.n_kv_heads, cfg.head_dim)[:c1]
+                seq.k_buf[layer][c0:c1] = k
+                seq.v_buf[layer][c0:c1] = v
+                kk, vv = seq.k_buf[layer][:c1], seq.v_buf[layer][:c1]
                 h = m.attend_and_mlp(layer, h, q, kk, vv, pos, torch.arange(0, c1, device=m.device))
         return h[-1]
 
@@ -146,6 +150,10 @@ class PagedEngine:
         zeros = torch.zeros(cfg.window, cfg.n_kv_heads, cfg.head_dim, device=m.device, dtype=m.dtype)
         for layer in self.sliding_layers:
             seq.ring_k[layer], seq.ring_v[layer] = zeros.clone(), zeros.clone()
+        kv_shape = (need * B, cfg.n_kv_heads, cfg.head_dim)
+        for layer in self.full_layers:
+            seq.k_buf[layer] = torch.empty(kv_shape, device=m.device, dtype=m.dtype)
+            seq.v_buf[layer] = torch.empty(kv_shape, device=m.device, dtype=m.dtype)
         tokens = torch.tensor(prompt, device=m.device)
         self._sync()
         t0 = time.perf_counter()
@@ -159,6 +167,14 @@ class PagedEngine:
             )
             if got > 0:
                 start = got
+                hit = seq.table[: got // B]  # the blocks hicache filled, on this stream
+                for layer in self.full_layers:
+                    seq.k_buf[layer][:got] = self.k_pool[layer][hit].reshape(
+                        got, cfg.n_kv_heads, cfg.head_dim
+                    )
+                    seq.v_buf[layer][:got] = self.v_pool[layer][hit].reshape(
+                        got, cfg.n_kv_heads, cfg.head_dim
+                    )
                 if self.state_elems:
                     self._import_state(seq)
             if self.measure_load:

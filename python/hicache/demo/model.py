@@ -106,10 +106,10 @@ class TinyTransformer:
         allowed = (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] >= 0)
         if cfg.is_sliding(layer):
             allowed &= k_pos[None, :] > q_pos[:, None] - cfg.window
-        rep = cfg.n_heads // cfg.n_kv_heads
-        kk = k.repeat_interleave(rep, dim=1).transpose(0, 1)  # [heads, Tk, hd]
-        vv = v.repeat_interleave(rep, dim=1).transpose(0, 1)
-        out = torch.nn.functional.scaled_dot_product_attention(q.transpose(0, 1), kk, vv, attn_mask=allowed)
+        # [heads, T, hd] layouts; grouped-query attention without materializing repeated K/V.
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=allowed, enable_gqa=True
+        )
         h = h + out.transpose(0, 1).reshape(h.shape[0], -1) @ L["wo"]
         x = self._norm(h)
         return h + (torch.nn.functional.silu(x @ L["w1"]) * (x @ L["w3"])) @ L["w2"]
