@@ -13,10 +13,11 @@ start=$(date +%s)
 step() { printf '\n== %s (%ss)\n' "$1" "$(( $(date +%s) - start ))"; }
 
 step "system packages"
-if ! dpkg -s libgtest-dev >/dev/null 2>&1 || ! command -v cmake >/dev/null || ! command -v g++ >/dev/null; then
+if ! dpkg -s libgtest-dev libclang-rt-14-dev >/dev/null 2>&1 || ! command -v cmake >/dev/null ||
+   ! command -v g++ >/dev/null || ! command -v clang++ >/dev/null; then
   sudo=""; [ "$(id -u)" = 0 ] || sudo=sudo
   $sudo apt-get update -qq
-  $sudo apt-get install -y -qq libgtest-dev cmake g++ python3-venv >"$logs/apt.log"
+  $sudo apt-get install -y -qq libgtest-dev cmake g++ python3-venv clang libclang-rt-14-dev >"$logs/apt.log"
 fi
 
 step "python environment ($venv)"
@@ -77,5 +78,13 @@ step "fuzz: 20,000 coverage-guided inputs, C++ cache against the reference (athe
 python tests/fuzz/fuzz_policy.py -runs=20000 -max_len=512 -len_control=0 -seed=1 >"$logs/fuzz.log" 2>&1 ||
   { tail -40 "$logs/fuzz.log"; exit 1; }
 tail -1 "$logs/fuzz.log"
+
+step "fuzz (C++): libFuzzer with coverage, ASan and UBSan for 60 s (clang)"
+cmake -S . -B build/fuzz -G Ninja -DCMAKE_CXX_COMPILER=clang++ -DHICACHE_BUILD_FUZZER=ON \
+  -DHICACHE_BUILD_CUDA=OFF -DHICACHE_BUILD_TESTS=OFF -DHICACHE_INSTALL=OFF >"$logs/cmake-fuzz.log"
+cmake --build build/fuzz >"$logs/build-fuzz.log" 2>&1 || { cat "$logs/build-fuzz.log"; exit 1; }
+(cd build/fuzz && ./hicache_fuzz -max_total_time=60 -seed=1 -max_len=512 -len_control=0) \
+  >"$logs/fuzz-cpp.log" 2>&1 || { tail -60 "$logs/fuzz-cpp.log"; exit 1; }
+tail -1 "$logs/fuzz-cpp.log"
 
 step "all checks passed"

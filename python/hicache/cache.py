@@ -117,7 +117,8 @@ class HostPrefixCache:
         On a hit, calls ``allocate(n_tokens)`` for the engine block ids that receive the pages
         (one per ``block_tokens`` tokens, or None to defer), then enqueues the copies (and the
         state into ``state_out``) on ``stream`` (default: torch's current stream for CUDA
-        segments), so work enqueued after it on that stream sees the data.
+        segments), so work enqueued after it on that stream sees the data. The blocks and
+        ``state_out`` must stay valid until those copies completed.
 
         Returns:
             tokens served (prefill starts there), 0 on a miss or a cache failure (counted, never

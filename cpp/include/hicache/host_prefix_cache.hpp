@@ -51,6 +51,8 @@ class HostPrefixCache {
   /// and, if the model has state, ending where a state is stored. On a hit, calls
   /// `allocate(tokens)`, then enqueues the copies into those blocks (and the state into
   /// `state_out`) on `stream`, so work the engine enqueues after it on that stream sees the data.
+  /// The blocks and `state_out` must stay valid until the copies into them completed (in stream
+  /// order on a GPU; poll() retires them).
   /// @return tokens served (a multiple of block_tokens; the engine prefills from there), 0 on a
   ///         miss or cache failure (counted; never thrown), -1 if allocate deferred.
   /// @throws std::invalid_argument for an empty prompt, a missing or wrong-sized state_out, or
