@@ -360,7 +360,6 @@ std::int64_t HostPrefixCache::store(std::string_view request_id,
       skipped = true;
       break;
     }
-    e->parent_key = i > 0 ? keys[static_cast<std::size_t>(i - 1)] : Key{};
     e->tokens.assign(page.begin(), page.end());
     moves.push_back({block_ids[static_cast<std::size_t>(i)], host});
     t.pages.push_back(e);

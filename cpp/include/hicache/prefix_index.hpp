@@ -21,7 +21,6 @@ struct Entry {
   /// Pages: serial of the parent page (or of the salt root for page 0).
   /// States: serial of the page that ends at the state's position.
   std::uint64_t parent_serial = 0;
-  Key parent_key;
   std::vector<std::int32_t> tokens;  ///< pages only: the page's tokens, compared on every hit
   std::int64_t slot = -1;            ///< host slot holding the bytes
   std::int32_t refs = 0;             ///< transfers (or an ongoing call) holding the entry
