@@ -7,7 +7,9 @@ Every request stores and resumes prefixes of a rotating set of conversations who
 the pool, so the pool is full and evicting the whole time; some requests are forgotten before
 their copies complete, some allocations are refused. Every few seconds it samples RSS and the
 cache's counters. At the end it fails unless RSS after warm-up grew by less than --max-rss-growth
-MiB, nothing is left busy or in flight once drained, and the pool is exactly full.
+MiB, nothing is left busy or in flight once drained, and the pool is exactly full; on a GPU,
+free device memory (the copier's staging, segment tables, events) must not shrink after warm-up
+by more than --max-gpu-growth MiB either.
 """
 
 from __future__ import annotations
@@ -28,12 +30,21 @@ def rss_mib() -> float:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
+def gpu_used_mib(dev: torch.device) -> float:
+    """Device memory in use by every allocator (torch's, the copier's cudaMalloc), 0 on the CPU."""
+    if dev.type != "cuda":
+        return 0.0
+    free, total = torch.cuda.mem_get_info(dev)
+    return (total - free) / 2**20
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--minutes", type=float, default=10.0)
     p.add_argument("--device", default="cpu")
     p.add_argument("--pages", type=int, default=512, help="host pool capacity in pages")
     p.add_argument("--max-rss-growth", type=float, default=32.0, help="MiB allowed after warm-up")
+    p.add_argument("--max-gpu-growth", type=float, default=8.0, help="device MiB allowed after warm-up")
     args = p.parse_args()
     B, blocks = 128, 1024
     dev = torch.device(args.device)
@@ -64,7 +75,10 @@ def main() -> int:
             if dev.type == "cuda":
                 torch.cuda.synchronize()
             s = cache.stats()
-            samples.append((time.time(), rss_mib(), s.pages_used, s.pages_busy, s.transfers_in_flight, ops))
+            used_gpu = gpu_used_mib(dev)
+            samples.append(
+                (time.time(), rss_mib(), used_gpu, s.pages_used, s.pages_busy, s.transfers_in_flight, ops)
+            )
             next_sample += 10
     if dev.type == "cuda":
         torch.cuda.synchronize()
@@ -72,22 +86,26 @@ def main() -> int:
     s = cache.stats()
     warm = samples[min(3, len(samples) - 1)][1]
     peak = max(x[1] for x in samples[3:]) if len(samples) > 3 else warm
+    gpu_warm = samples[min(3, len(samples) - 1)][2]
+    gpu_peak = max(x[2] for x in samples[3:]) if len(samples) > 3 else gpu_warm
     print(
         f"{ops} operations in {args.minutes} min on {args.device}: {s.lookups} lookups, {s.hits} hits, "
         f"{s.pages_stored} pages stored, {s.pages_evicted} evicted, {s.errors} errors"
     )
     print(
         f"RSS after warm-up {warm:.1f} MiB, peak later {peak:.1f} MiB; "
+        f"device memory in use after warm-up {gpu_warm:.1f} MiB, peak later {gpu_peak:.1f} MiB; "
         f"pool {s.pages_used}/{s.pages_capacity} pages, busy {s.pages_busy}, "
         f"in flight {s.transfers_in_flight}, requests known {s.requests}"
     )
-    print("| t (s) | RSS (MiB) | pages used | busy | in flight | operations |")
-    print("| --- | --- | --- | --- | --- | --- |")
+    print("| t (s) | RSS (MiB) | device MiB in use | pages used | busy | in flight | operations |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
     t0 = samples[0][0]
-    for t, rss, used, busy, fl, o in samples[:: max(1, len(samples) // 12)]:
-        print(f"| {t - t0:.0f} | {rss:.1f} | {used} | {busy} | {fl} | {o} |")
+    for t, rss, gpu, used, busy, fl, o in samples[:: max(1, len(samples) // 12)]:
+        print(f"| {t - t0:.0f} | {rss:.1f} | {gpu:.1f} | {used} | {busy} | {fl} | {o} |")
     ok = (
         peak - warm < args.max_rss_growth
+        and gpu_peak - gpu_warm < args.max_gpu_growth
         and s.pages_busy == 0
         and s.transfers_in_flight == 0
         and s.pages_used == s.pages_capacity

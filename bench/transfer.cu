@@ -92,15 +92,17 @@ struct Setup {
   Geometry g;
   std::vector<hicache::Segment> segs;
   std::shared_ptr<hicache::Copier> copier;  // hicache's default choice for this geometry
-  std::shared_ptr<hicache::Copier> kernel;  // always the kernel
-  std::shared_ptr<hicache::Copier> dma;     // always the DMA engines
-  bool auto_is_dma = false;
+  std::shared_ptr<hicache::Copier> staged;  // always staged (DMA for whole pages + HBM scatter)
+  std::shared_ptr<hicache::Copier> kernel;  // always the kernel across PCIe
+  std::shared_ptr<hicache::Copier> dma;     // always the DMA engines, one piece per chunk
+  const char* auto_path = "kernel";
   std::unique_ptr<hicache::PageLayout> layout;
   std::unique_ptr<hicache::HostPool> pool;
   std::vector<hicache::PageMove> moves, moves2;  // two disjoint batches (two-direction test)
   std::size_t bytes = 0;
 
-  Setup(Geometry geo, int cuda_blocks) : g(geo) {
+  Setup(Geometry geo, int cuda_blocks, std::size_t staging_bytes = std::size_t{16} << 20)
+      : g(geo) {
     const std::int64_t num_blocks = 2 * g.pages + 2;
     for (int s = 0; s < g.segments; ++s) {
       void* p;
@@ -110,21 +112,39 @@ struct Setup {
     }
     layout =
         std::make_unique<hicache::PageLayout>(segs, hicache::Device{hicache::DeviceKind::kCuda, 0});
-    copier = hicache::make_cuda_copier(0, {cuda_blocks, 1024});
+    hicache::CudaCopierOptions o;
+    o.max_blocks = cuda_blocks;
+    o.staging_bytes = staging_bytes;
+    copier = hicache::make_cuda_copier(0, o);
     copier->bind(*layout);
-    kernel = hicache::make_cuda_copier(0, {cuda_blocks, 1024, 0});
+    hicache::CudaCopierOptions st = o;
+    st.dma_min_chunk_bytes = 0;
+    st.staging_min_page_bytes = 1;
+    staged = hicache::make_cuda_copier(0, st);
+    staged->bind(*layout);
+    kernel = hicache::make_cuda_copier(0, {cuda_blocks, 1024, 0, 0});
     kernel->bind(*layout);
-    dma = hicache::make_cuda_copier(0, {cuda_blocks, 1024, 1});
+    dma = hicache::make_cuda_copier(0, {cuda_blocks, 1024, 1, 0});
     dma->bind(*layout);
-    auto_is_dma = g.block_bytes >= (1 << 20);
+    auto_path = static_cast<std::size_t>(g.block_bytes) >= o.dma_min_chunk_bytes ? "DMA"
+                : layout->page_bytes() >= o.staging_min_page_bytes             ? "staged"
+                                                                               : "kernel";
     pool = std::make_unique<hicache::HostPool>(layout->page_bytes(), 2 * g.pages,
                                                std::size_t{1} << 30, copier->host_allocator());
+    // Engine blocks and host slots both in random order: a full cache reuses the slots of
+    // evicted pages, so a batch's host pages are not adjacent (adjacent ones would merge into
+    // larger DMA pieces and flatter the staged path).
     std::vector<std::int64_t> perm(static_cast<std::size_t>(num_blocks));
     std::iota(perm.begin(), perm.end(), 0);
     std::shuffle(perm.begin(), perm.end(), std::mt19937(1));
+    std::vector<std::int64_t> slots(static_cast<std::size_t>(2 * g.pages));
+    std::iota(slots.begin(), slots.end(), 0);
+    std::shuffle(slots.begin(), slots.end(), std::mt19937(2));
     for (int i = 0; i < g.pages; ++i) {
-      moves.push_back({perm[static_cast<std::size_t>(i)], pool->slot(i)});
-      moves2.push_back({perm[static_cast<std::size_t>(g.pages + i)], pool->slot(g.pages + i)});
+      const auto u = static_cast<std::size_t>(i);
+      moves.push_back({perm[u], pool->slot(slots[u])});
+      moves2.push_back({perm[static_cast<std::size_t>(g.pages) + u],
+                        pool->slot(slots[static_cast<std::size_t>(g.pages) + u])});
     }
     bytes = layout->page_bytes() * static_cast<std::size_t>(g.pages);
   }
@@ -156,22 +176,27 @@ void bench_geometry(const Geometry& g, cudaStream_t s, cudaStream_t s2) {
   CK(cudaMalloc(&dev_flat2, st.bytes));
   CK(cudaHostAlloc(&host_flat2, st.bytes, cudaHostAllocPortable));
 
-  // Correctness first: a round trip through our kernel must return the bytes.
-  st.copier->copy_pages(hicache::Direction::kToHost, *st.layout, st.moves, s);
-  std::vector<hicache::PageMove> back;
-  for (std::size_t i = 0; i < st.moves.size(); ++i)
-    back.push_back({st.moves2[i].block, st.moves[i].host});
-  st.copier->copy_pages(hicache::Direction::kToDevice, *st.layout, back, s);
-  CK(cudaStreamSynchronize(s));
-  for (std::size_t seg : {std::size_t{0}, st.segs.size() - 1}) {
-    std::vector<char> a(static_cast<std::size_t>(g.block_bytes)), b(a.size());
-    CK(cudaMemcpy(a.data(), st.layout->block_address(seg, st.moves.back().block), a.size(),
-                  cudaMemcpyDeviceToHost));
-    CK(cudaMemcpy(b.data(), st.layout->block_address(seg, st.moves2.back().block), b.size(),
-                  cudaMemcpyDeviceToHost));
-    if (a != b) {
-      std::fprintf(stderr, "%s: round trip through the kernel differs\n", g.name);
-      std::exit(1);
+  // Correctness first: a round trip through each path must return the bytes.
+  for (auto* c : {st.copier.get(), st.staged.get(), st.kernel.get()}) {
+    CK(cudaMemset(st.layout->block_address(0, st.moves2.back().block), 0xAB,
+                  static_cast<std::size_t>(g.block_bytes)));
+    CK(cudaDeviceSynchronize());
+    c->copy_pages(hicache::Direction::kToHost, *st.layout, st.moves, s);
+    std::vector<hicache::PageMove> back;
+    for (std::size_t i = 0; i < st.moves.size(); ++i)
+      back.push_back({st.moves2[i].block, st.moves[i].host});
+    c->copy_pages(hicache::Direction::kToDevice, *st.layout, back, s);
+    CK(cudaStreamSynchronize(s));
+    for (std::size_t seg : {std::size_t{0}, st.segs.size() - 1}) {
+      std::vector<char> a(static_cast<std::size_t>(g.block_bytes)), b(a.size());
+      CK(cudaMemcpy(a.data(), st.layout->block_address(seg, st.moves.back().block), a.size(),
+                    cudaMemcpyDeviceToHost));
+      CK(cudaMemcpy(b.data(), st.layout->block_address(seg, st.moves2.back().block), b.size(),
+                    cudaMemcpyDeviceToHost));
+      if (a != b) {
+        std::fprintf(stderr, "%s: a round trip differs\n", g.name);
+        std::exit(1);
+      }
     }
   }
 
@@ -183,6 +208,8 @@ void bench_geometry(const Geometry& g, cudaStream_t s, cudaStream_t s2) {
     });
     const double ours_ms =
         median_ms(s, [&] { st.copier->copy_pages(dir, *st.layout, st.moves, s); });
+    const double staged_ms =
+        median_ms(s, [&] { st.staged->copy_pages(dir, *st.layout, st.moves, s); });
     const double kernel_ms =
         median_ms(s, [&] { st.kernel->copy_pages(dir, *st.layout, st.moves, s); });
 
@@ -220,11 +247,11 @@ void bench_geometry(const Geometry& g, cudaStream_t s, cudaStream_t s2) {
     char line[512];
     std::snprintf(line, sizeof line,
                   "| %s | %s | %.2f GB, %zu chunks of %lld KiB | %.1f | **%.1f (%.3f)** %s | "
-                  "%.1f (%.3f) | %.1f (%.3f) | %.1f (%.3f) |\n",
+                  "%.1f (%.3f) | %.1f (%.3f) | %.1f (%.3f) | %.1f (%.3f) |\n",
                   g.name, to_host ? "D2H (store)" : "H2D (load)", B / 1e9, n.size(),
                   static_cast<long long>(g.block_bytes >> 10), gbps(B, ceil_ms), gbps(B, ours_ms),
-                  ceil_ms / ours_ms, st.auto_is_dma ? "DMA" : "kernel", gbps(B, kernel_ms),
-                  ceil_ms / kernel_ms, gbps(B, cub_ms), ceil_ms / cub_ms, gbps(B, batch_ms),
+                  ceil_ms / ours_ms, st.auto_path, gbps(B, staged_ms), ceil_ms / staged_ms,
+                  gbps(B, kernel_ms), ceil_ms / kernel_ms, gbps(B, cub_ms), ceil_ms / cub_ms, gbps(B, batch_ms),
                   ceil_ms / batch_ms);
     report << line;
   }
@@ -241,17 +268,17 @@ void bench_geometry(const Geometry& g, cudaStream_t s, cudaStream_t s2) {
     });
   };
   const double two_ours = both(*st.copier, *st.copier);
+  const double two_staged = both(*st.staged, *st.staged);
   const double two_kernel = both(*st.kernel, *st.kernel);
   const double two_dma = both(*st.dma, *st.dma);
-  const double two_mixed = both(*st.dma, *st.kernel);
   char line[512];
   std::snprintf(line, sizeof line,
-                "| %s | both at once | %.2f GB each way | %.1f | **%.1f (%.3f)** | kernel both: "
-                "%.1f (%.3f) | "
-                "DMA both: %.1f (%.3f) | DMA store + kernel load: %.1f (%.3f) |\n",
+                "| %s | both at once | %.2f GB each way | %.1f | **%.1f (%.3f)** %s | staged both: "
+                "%.1f (%.3f) | kernel both: %.1f (%.3f) | DMA both: %.1f (%.3f) | | |\n",
                 g.name, B / 1e9, gbps(2 * B, two_ceil), gbps(2 * B, two_ours), two_ceil / two_ours,
+                st.auto_path, gbps(2 * B, two_staged), two_ceil / two_staged,
                 gbps(2 * B, two_kernel), two_ceil / two_kernel, gbps(2 * B, two_dma),
-                two_ceil / two_dma, gbps(2 * B, two_mixed), two_ceil / two_mixed);
+                two_ceil / two_dma);
   report << line;
 
   cudaFree(dev_flat);
@@ -260,18 +287,73 @@ void bench_geometry(const Geometry& g, cudaStream_t s, cudaStream_t s2) {
   cudaFreeHost(host_flat2);
 }
 
+// Grid size: CTAs of the staged path's scatter/gather and of the kernel across PCIe.
 void bench_grid(const Geometry& g, cudaStream_t s) {
-  report << "\n| " << g.name << ": CTAs | H2D GB/s | D2H GB/s |\n| --- | --- | --- |\n";
+  report << "\n| " << g.name
+         << ": CTAs | staged H2D GB/s | staged D2H GB/s | kernel H2D GB/s | kernel D2H GB/s |\n"
+            "| --- | --- | --- | --- | --- |\n";
   for (int blocks : {1, 2, 4, 8, 16}) {
     Setup st(g, blocks);
     const double B = static_cast<double>(st.bytes);
+    double r[4];
+    int k = 0;
+    for (auto* c : {st.staged.get(), st.kernel.get()}) {
+      for (auto dir : {hicache::Direction::kToDevice, hicache::Direction::kToHost}) {
+        r[k++] = gbps(B, median_ms(s, [&] { c->copy_pages(dir, *st.layout, st.moves, s); }));
+      }
+    }
+    char line[160];
+    std::snprintf(line, sizeof line, "| %d%s | %.1f | %.1f | %.1f | %.1f |\n", blocks,
+                  blocks == 4 ? " (default)" : "", r[0], r[1], r[2], r[3]);
+    report << line;
+  }
+}
+
+// Where staging starts to pay: layer-major pages of 16 segments, from 128 KiB to 1 MiB, with
+// host slots in random order (one DMA piece a page).
+void bench_page_sweep(cudaStream_t s) {
+  report << "\n| layer-major page (16 chunks) | contiguous GB/s | staged H2D | staged D2H | "
+            "kernel H2D | kernel D2H |\n| --- | --- | --- | --- | --- | --- |\n";
+  for (std::int64_t chunk_kib : {8, 16, 32, 64}) {
+    const int pages = static_cast<int>((std::int64_t{512} << 20) / (16 * (chunk_kib << 10)));
+    Setup st({"sweep", 16, chunk_kib << 10, pages}, 4);
+    const double B = static_cast<double>(st.bytes);
+    void *dev, *host;
+    CK(cudaMalloc(&dev, st.bytes));
+    CK(cudaHostAlloc(&host, st.bytes, cudaHostAllocPortable));
+    const double ceil_ms =
+        median_ms(s, [&] { CK(cudaMemcpyAsync(dev, host, st.bytes, cudaMemcpyHostToDevice, s)); });
+    double r[4];
+    int k = 0;
+    for (auto* c : {st.staged.get(), st.kernel.get()}) {
+      for (auto dir : {hicache::Direction::kToDevice, hicache::Direction::kToHost}) {
+        r[k++] = median_ms(s, [&] { c->copy_pages(dir, *st.layout, st.moves, s); });
+      }
+    }
+    char line[200];
+    std::snprintf(line, sizeof line, "| %lld KiB | %.1f | %.3f | %.3f | %.3f | %.3f |\n",
+                  static_cast<long long>(16 * chunk_kib), gbps(B, ceil_ms), ceil_ms / r[0],
+                  ceil_ms / r[1], ceil_ms / r[2], ceil_ms / r[3]);
+    report << line;
+    cudaFree(dev);
+    cudaFreeHost(host);
+  }
+}
+
+// Staging size (device memory per stream and direction) for the Llama geometry.
+void bench_staging_size(const Geometry& g, cudaStream_t s) {
+  report << "\n| " << g.name
+         << ": staging bytes | H2D GB/s | D2H GB/s |\n| --- | --- | --- |\n";
+  for (std::size_t mib : {4, 8, 16, 32, 64}) {
+    Setup st(g, 4, mib << 20);
+    const double B = static_cast<double>(st.bytes);
     const double h2d = median_ms(
-        s, [&] { st.copier->copy_pages(hicache::Direction::kToDevice, *st.layout, st.moves, s); });
+        s, [&] { st.staged->copy_pages(hicache::Direction::kToDevice, *st.layout, st.moves, s); });
     const double d2h = median_ms(
-        s, [&] { st.copier->copy_pages(hicache::Direction::kToHost, *st.layout, st.moves, s); });
+        s, [&] { st.staged->copy_pages(hicache::Direction::kToHost, *st.layout, st.moves, s); });
     char line[128];
-    std::snprintf(line, sizeof line, "| %d%s | %.1f | %.1f |\n", blocks,
-                  blocks == 4 ? " (default)" : "", gbps(B, h2d), gbps(B, d2h));
+    std::snprintf(line, sizeof line, "| %zu MiB%s | %.1f | %.1f |\n", mib,
+                  mib == 16 ? " (default)" : "", gbps(B, h2d), gbps(B, d2h));
     report << line;
   }
 }
@@ -376,14 +458,15 @@ int main(int argc, char** argv) {
       << "Device: " << prop.name << ", " << prop.multiProcessorCount << " SMs. Median of " << reps
       << " runs; ratio = ceiling time / our time (1.0 = the contiguous cudaMemcpyAsync rate).\n\n"
       << "| geometry | direction | bytes | contiguous cudaMemcpyAsync GB/s | hicache GB/s (ratio) "
-         "path | hicache kernel only | cub::DeviceMemcpy::Batched | cudaMemcpyBatchAsync |\n"
-         "| --- | --- | --- | --- | --- | --- | --- | --- |\n";
+         "path | staged only | kernel only | cub::DeviceMemcpy::Batched | cudaMemcpyBatchAsync |\n"
+         "| --- | --- | --- | --- | --- | --- | --- | --- | --- |\n";
   for (const auto& g : geos) {
     std::fprintf(stderr, "bench: %s\n", g.name);
     bench_geometry(g, s, s2);
   }
   bench_grid(geos[0], s);
-  bench_grid(geos[2], s);
+  bench_page_sweep(s);
+  bench_staging_size(geos[0], s);
   bench_pin_while_busy(s);
   std::fprintf(stderr, "bench: pinning %.0f GiB\n", pool_gib);
   bench_pinning(pool_gib);

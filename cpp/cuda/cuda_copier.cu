@@ -1,7 +1,13 @@
-// The CUDA copier: one gather/scatter kernel a batch on the caller's stream, CUDA events as
-// fences, pinned mapped host memory for the pools.
+// The CUDA copier: CUDA events as fences, pinned mapped host memory for the pools, and one of
+// three paths a layout, chosen at bind():
+//  - DMA: every chunk is large (>= 1 MiB): one cudaMemcpyBatchAsync a batch.
+//  - staged: pages are large but their chunks are not (layer-major pools): host pages cross
+//    PCIe whole on the DMA engines through a device staging buffer (staging_lane.hpp).
+//  - kernel: small pages: the gather/scatter kernel copies across PCIe through UVA pointers.
 
 #include <algorithm>
+#include <functional>
+#include <utility>
 #include <mutex>
 #include <stdexcept>
 #include <string>
@@ -9,18 +15,13 @@
 
 #include "cuda_check.cuh"
 #include "hicache/cuda_copier.hpp"
-#include "page_copy_kernel.cuh"
 #include "pinned_allocator.hpp"
+#include "segment_table.hpp"
+#include "staging_lane.hpp"
 
 namespace hicache {
 namespace cuda {
 namespace {
-
-// Vectors in flight per thread. Reads across PCIe (to device) are latency-bound and want many;
-// reads from HBM (to host) need fewer, and 16-byte vectors at 8 deep would spill registers
-// under the 64-register budget of 1024-thread CTAs.
-template <typename V, bool kToHost>
-constexpr int kUnroll = (sizeof(V) == 16 && kToHost) ? 4 : 8;
 
 // Events are reused: creating one per transfer costs more than the transfer's bookkeeping.
 class EventPool {
@@ -68,14 +69,6 @@ class EventFence final : public Fence {
   cudaEvent_t e_;
 };
 
-template <typename V, bool kToHost>
-void launch(const SegmentDesc* segs, int nseg, long long tiles_per_page, const MoveBatch& batch,
-            int blocks, int threads, cudaStream_t stream) {
-  page_copy_kernel<V, kUnroll<V, kToHost>, kToHost>
-      <<<blocks, threads, 0, stream>>>(segs, nseg, tiles_per_page, batch);
-  HICACHE_CUDA_CHECK(cudaGetLastError());
-}
-
 class CudaCopier final : public Copier {
  public:
   CudaCopier(int device, CudaCopierOptions opt)
@@ -87,9 +80,6 @@ class CudaCopier final : public Copier {
     // Registered memory is only usable at its host address when the device says so; memory from
     // cudaHostAlloc is, on every 64-bit UVA platform.
     allocator_ = make_pinned_allocator(direct ? PinMode::kRegister : PinMode::kHostAlloc);
-  }
-  ~CudaCopier() override {
-    if (table_ != nullptr) cudaFree(table_);
   }
 
   void bind(const PageLayout& layout) override {
@@ -119,22 +109,23 @@ class CudaCopier final : public Copier {
     use_dma_ = opt_.dma_min_chunk_bytes > 0 &&
                static_cast<std::size_t>(smallest) >= opt_.dma_min_chunk_bytes;
     layout_ = &layout;
-    const long long tile = static_cast<long long>(opt_.threads) * vec_;
-    std::vector<SegmentDesc> table;
-    long long tiles = 0;
+    std::vector<SegmentRow> rows;
     for (std::size_t s = 0; s < segs.size(); ++s) {
-      table.push_back({static_cast<char*>(segs[s].base), segs[s].block_stride, segs[s].block_bytes,
-                       static_cast<long long>(layout.page_offset(s)), tiles});
-      tiles += (segs[s].block_bytes + tile - 1) / tile;
+      rows.push_back({static_cast<char*>(segs[s].base), segs[s].block_stride, segs[s].block_bytes,
+                      static_cast<long long>(layout.page_offset(s))});
     }
-    tiles_per_page_ = tiles;
-    nseg_ = static_cast<int>(table.size());
-    load_kernels();
-    if (table_ != nullptr) cudaFree(table_);
-    table_ = nullptr;
-    HICACHE_CUDA_CHECK(cudaMalloc(&table_, table.size() * sizeof(SegmentDesc)));
-    HICACHE_CUDA_CHECK(cudaMemcpy(table_, table.data(), table.size() * sizeof(SegmentDesc),
-                                  cudaMemcpyHostToDevice));
+    // CUDA loads a kernel's module at its first launch (lazy loading), and that load waits for
+    // kernels already running: the engine's first store would stall behind its own forward pass
+    // (measured on an H200: 101 ms behind a 100 ms kernel). Loading them here, at start-up,
+    // keeps that off the serving path.
+    SegmentTable::load_kernels();
+    table_ = std::make_unique<SegmentTable>(rows, vec_, opt_.threads);
+    store_lanes_.clear();
+    load_lanes_.clear();
+    plan_.reset();
+    if (!use_dma_ && opt_.staging_bytes > 0 && layout.page_bytes() >= opt_.staging_min_page_bytes) {
+      plan_ = std::make_unique<StagingPlan>(layout, opt_.staging_bytes / 2, vec_, opt_.threads);
+    }
   }
 
   void copy_pages(Direction dir, const PageLayout&, std::span<const PageMove> moves,
@@ -144,33 +135,8 @@ class CudaCopier final : public Copier {
     auto s = static_cast<cudaStream_t>(stream);
     // The batched DMA API refuses the legacy default stream: the kernel serves that one.
     if (use_dma_ && s != nullptr && s != cudaStreamLegacy) return copy_pages_dma(dir, moves, s);
-    for (std::size_t first = 0; first < moves.size(); first += kMaxMovesPerLaunch) {
-      MoveBatch batch;
-      batch.count =
-          static_cast<int>(std::min<std::size_t>(kMaxMovesPerLaunch, moves.size() - first));
-      for (int i = 0; i < batch.count; ++i) {
-        batch.blocks[i] = moves[first + i].block;
-        batch.hosts[i] = reinterpret_cast<char*>(moves[first + i].host);
-      }
-      const long long work = (static_cast<long long>(batch.count) * tiles_per_page_ + 3) / 4;
-      const int blocks = static_cast<int>(std::min<long long>(opt_.max_blocks, work));
-      const bool to_host = dir == Direction::kToHost;
-      if (vec_ == 16) {
-        to_host
-            ? launch<uint4, true>(table_, nseg_, tiles_per_page_, batch, blocks, opt_.threads, s)
-            : launch<uint4, false>(table_, nseg_, tiles_per_page_, batch, blocks, opt_.threads, s);
-      } else if (vec_ == 4) {
-        to_host
-            ? launch<unsigned, true>(table_, nseg_, tiles_per_page_, batch, blocks, opt_.threads, s)
-            : launch<unsigned, false>(table_, nseg_, tiles_per_page_, batch, blocks, opt_.threads,
-                                      s);
-      } else {
-        to_host ? launch<unsigned char, true>(table_, nseg_, tiles_per_page_, batch, blocks,
-                                              opt_.threads, s)
-                : launch<unsigned char, false>(table_, nseg_, tiles_per_page_, batch, blocks,
-                                               opt_.threads, s);
-      }
-    }
+    if (plan_ != nullptr) return lane(dir, s).copy(dir, moves, opt_.max_blocks, s);
+    table_->launch(dir, moves, opt_.max_blocks, s);
   }
 
   void copy_bytes(Direction dir, const DeviceBuffer& buf, std::byte* host,
@@ -202,24 +168,21 @@ class CudaCopier final : public Copier {
   }
 
  private:
-  // CUDA loads a kernel's module at its first launch (lazy loading), and that load waits for
-  // kernels already running: the engine's first store would stall behind its own forward pass
-  // (measured on an H200: 101 ms behind a 100 ms kernel). Loading them here, at start-up,
-  // keeps that off the serving path.
-  static void load_kernels() {
-    cudaFuncAttributes a;
-    HICACHE_CUDA_CHECK(
-        cudaFuncGetAttributes(&a, page_copy_kernel<uint4, kUnroll<uint4, true>, true>));
-    HICACHE_CUDA_CHECK(
-        cudaFuncGetAttributes(&a, page_copy_kernel<uint4, kUnroll<uint4, false>, false>));
-    HICACHE_CUDA_CHECK(
-        cudaFuncGetAttributes(&a, page_copy_kernel<unsigned, kUnroll<unsigned, true>, true>));
-    HICACHE_CUDA_CHECK(
-        cudaFuncGetAttributes(&a, page_copy_kernel<unsigned, kUnroll<unsigned, false>, false>));
-    HICACHE_CUDA_CHECK(cudaFuncGetAttributes(
-        &a, page_copy_kernel<unsigned char, kUnroll<unsigned char, true>, true>));
-    HICACHE_CUDA_CHECK(cudaFuncGetAttributes(
-        &a, page_copy_kernel<unsigned char, kUnroll<unsigned char, false>, false>));
+  // Each (direction, stream) gets its own lane, up to kMaxLanes a direction; later streams share
+  // them. A shared lane couples its streams: a load queued behind long work on one stream holds
+  // the lane's windows, and the next load on another stream waits for them.
+  static constexpr std::size_t kMaxLanes = 4;
+  StagingLane& lane(Direction dir, cudaStream_t s) {
+    std::lock_guard<std::mutex> g(lanes_mu_);
+    auto& lanes = dir == Direction::kToHost ? store_lanes_ : load_lanes_;
+    for (auto& [stream, l] : lanes) {
+      if (stream == s) return *l;
+    }
+    if (lanes.size() < kMaxLanes) {
+      lanes.emplace_back(s, std::make_unique<StagingLane>(*plan_, 2));
+      return *lanes.back().second;
+    }
+    return *lanes[std::hash<cudaStream_t>{}(s) % lanes.size()].second;
   }
 
   // Large chunks: one batched DMA submission, no SM used.
@@ -260,9 +223,10 @@ class CudaCopier final : public Copier {
   CudaCopierOptions opt_;
   std::shared_ptr<EventPool> events_;
   std::shared_ptr<HostAllocator> allocator_;
-  SegmentDesc* table_ = nullptr;
-  int nseg_ = 0;
-  long long tiles_per_page_ = 0;
+  std::unique_ptr<SegmentTable> table_;  // whole pages, for the kernel across PCIe
+  std::unique_ptr<StagingPlan> plan_;     // staged path only
+  std::mutex lanes_mu_;
+  std::vector<std::pair<cudaStream_t, std::unique_ptr<StagingLane>>> store_lanes_, load_lanes_;
   int vec_ = 16;
   bool use_dma_ = false;
   const PageLayout* layout_ = nullptr;

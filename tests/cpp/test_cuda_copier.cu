@@ -3,6 +3,7 @@
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstring>
@@ -75,6 +76,50 @@ class DevicePool {
 };
 
 const hicache::Device kGpu{hicache::DeviceKind::kCuda, 0};
+// No DMA batch, no staging: the gather/scatter kernel across PCIe.
+const hicache::CudaCopierOptions kKernelOnly{4, 1024, 0, 0};
+
+hicache::CudaCopierOptions staged(std::size_t staging_bytes) {
+  hicache::CudaCopierOptions o;
+  o.staging_bytes = staging_bytes;
+  o.staging_min_page_bytes = 1;
+  return o;
+}
+
+// Copier-level round trip with host slots in random order (so staged DMA pieces are not
+// adjacent) and some adjacent (so they merge): pages of blocks [0, n) go to host slots, are
+// checked there byte for byte, then come back into blocks [n, 2n) in another order.
+void expect_copier_round_trip(DevicePool& pool, hicache::CudaCopierOptions opt, std::int64_t n,
+                              cudaStream_t store_stream, cudaStream_t load_stream) {
+  hicache::PageLayout layout(pool.segments(), kGpu);
+  auto copier = hicache::make_cuda_copier(0, opt);
+  copier->bind(layout);
+  hicache::HostPool host(layout.page_bytes(), 2 * n, std::size_t{64} << 20,
+                         copier->host_allocator());
+  std::vector<std::int64_t> slot(static_cast<std::size_t>(2 * n));
+  for (std::size_t i = 0; i < slot.size(); ++i) slot[i] = static_cast<std::int64_t>(i);
+  std::shuffle(slot.begin() + 2, slot.end(), std::mt19937(7));  // first two stay adjacent
+  std::vector<hicache::PageMove> out, in;
+  for (std::int64_t i = 0; i < n; ++i) {
+    out.push_back({i, host.slot(slot[static_cast<std::size_t>(i)])});
+    in.push_back({2 * n - 1 - i, host.slot(slot[static_cast<std::size_t>(i)])});
+  }
+  for (std::int64_t i = 0; i < n; ++i) pool.clear(n + i);
+  copier->copy_pages(hicache::Direction::kToHost, layout, out, store_stream);
+  auto fence = copier->record(store_stream);
+  fence->wait();
+  ASSERT_TRUE(fence->done());
+  for (std::int64_t i = 0; i < n; ++i) {
+    const auto expect = pool.page(i);
+    const auto* got = reinterpret_cast<const std::uint8_t*>(out[static_cast<std::size_t>(i)].host);
+    ASSERT_TRUE(std::equal(expect.begin(), expect.end(), got)) << "host copy of page " << i;
+  }
+  copier->copy_pages(hicache::Direction::kToDevice, layout, in, load_stream);
+  copier->record(load_stream)->wait();
+  for (std::int64_t i = 0; i < n; ++i) {
+    ASSERT_EQ(pool.page(2 * n - 1 - i), pool.page(i)) << "page " << i << " loaded back";
+  }
+}
 
 hicache::HostPrefixCache::AllocateFn give(std::int64_t first) {
   return [first](std::int64_t n) -> std::optional<std::vector<std::int64_t>> {
@@ -119,8 +164,106 @@ TEST(CudaCopier, PageMajorRandomBytesRoundTripOnDmaAndOnTheKernel) {
   CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
   expect_round_trip(pool, 12, s);        // 1 MiB chunks: the DMA engines by default
   expect_round_trip(pool, 12, nullptr);  // the legacy stream, which the DMA batch API refuses
-  expect_round_trip(pool, 12, s, hicache::make_cuda_copier(0, {4, 1024, 0}));  // kernel only
+  expect_round_trip(pool, 12, s, hicache::make_cuda_copier(0, kKernelOnly));
   cudaStreamDestroy(s);
+}
+
+TEST(CudaCopier, StagedPathRoundTripsThroughEveryWindowShape) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  cudaStream_t s;
+  CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  DevicePool pool(40, std::vector<std::int64_t>(16, 32 << 10), 512);  // 512 KiB pages
+  // Windows of several pages (and a last, partial window); of exactly one page; of a quarter
+  // page (four segment groups a page); the legacy stream; the kernel-only path for reference.
+  for (std::size_t staging : {std::size_t{6} << 20, std::size_t{1} << 20, std::size_t{256} << 10}) {
+    SCOPED_TRACE(staging);
+    expect_copier_round_trip(pool, staged(staging), 19, s, s);
+    expect_copier_round_trip(pool, staged(staging), 7, nullptr, nullptr);
+  }
+  expect_copier_round_trip(pool, kKernelOnly, 19, s, s);
+  // Segments of unequal sizes, one larger than a window: the window widens to hold it.
+  DevicePool uneven(24, {96 << 10, 400 << 10, 48 << 10, 160 << 10});
+  expect_copier_round_trip(uneven, staged(512 << 10), 11, s, s);
+  cudaStreamDestroy(s);
+}
+
+TEST(CudaCopier, StagedStoreAndLoadAtOnceOnTwoStreams) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  cudaStream_t a, b;
+  CK(cudaStreamCreateWithFlags(&a, cudaStreamNonBlocking));
+  CK(cudaStreamCreateWithFlags(&b, cudaStreamNonBlocking));
+  DevicePool pool(64, std::vector<std::int64_t>(8, 128 << 10));  // 1 MiB pages, staged
+  hicache::PageLayout layout(pool.segments(), kGpu);
+  auto copier = hicache::make_cuda_copier(0, staged(4 << 20));
+  copier->bind(layout);
+  hicache::HostPool host(layout.page_bytes(), 32, std::size_t{64} << 20, copier->host_allocator());
+  std::vector<hicache::PageMove> first, reload, second;
+  for (std::int64_t i = 0; i < 16; ++i) {
+    first.push_back({i, host.slot(i)});
+    reload.push_back({32 + i, host.slot(i)});
+    second.push_back({16 + i, host.slot(16 + i)});
+  }
+  copier->copy_pages(hicache::Direction::kToHost, layout, first, a);
+  copier->record(a)->wait();
+  // Now, at the same time: pages 16..31 go out on stream a while slots 0..15 come back on b.
+  for (int round = 0; round < 3; ++round) {
+    for (std::int64_t i = 0; i < 16; ++i) pool.clear(32 + i);
+    copier->copy_pages(hicache::Direction::kToHost, layout, second, a);
+    copier->copy_pages(hicache::Direction::kToDevice, layout, reload, b);
+    auto fa = copier->record(a);
+    auto fb = copier->record(b);
+    fa->wait();
+    fb->wait();
+    for (std::int64_t i = 0; i < 16; ++i) {
+      ASSERT_EQ(pool.page(32 + i), pool.page(i)) << "round " << round << " page " << i;
+      const auto expect = pool.page(16 + i);
+      ASSERT_TRUE(std::equal(expect.begin(), expect.end(),
+                             reinterpret_cast<const std::uint8_t*>(host.slot(16 + i))));
+    }
+  }
+  cudaStreamDestroy(a);
+  cudaStreamDestroy(b);
+}
+
+TEST(CudaCopier, StagedLoadsQueuedBehindABusyStreamDoNotHoldUpOtherStreams) {
+  // A load on a stream stuck behind a long kernel holds its staging windows; a load on another
+  // stream, enqueued later, has its own and completes first; both are right.
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  cudaStream_t busy, free_stream;
+  CK(cudaStreamCreateWithFlags(&busy, cudaStreamNonBlocking));
+  CK(cudaStreamCreateWithFlags(&free_stream, cudaStreamNonBlocking));
+  DevicePool pool(64, std::vector<std::int64_t>(8, 128 << 10));
+  hicache::PageLayout layout(pool.segments(), kGpu);
+  auto copier = hicache::make_cuda_copier(0, staged(2 << 20));  // one page a window
+  copier->bind(layout);
+  hicache::HostPool host(layout.page_bytes(), 16, std::size_t{64} << 20, copier->host_allocator());
+  std::vector<hicache::PageMove> out, to_busy, to_free;
+  for (std::int64_t i = 0; i < 8; ++i) {
+    out.push_back({i, host.slot(i)});
+    to_busy.push_back({16 + i, host.slot(i)});
+    to_free.push_back({32 + i, host.slot(i)});
+  }
+  copier->copy_pages(hicache::Direction::kToHost, layout, out, free_stream);
+  copier->record(free_stream)->wait();
+  for (std::int64_t i = 0; i < 8; ++i) {
+    pool.clear(16 + i);
+    pool.clear(32 + i);
+  }
+  spin<<<1, 1, 0, busy>>>(kSpinCycles);
+  CK(cudaGetLastError());
+  copier->copy_pages(hicache::Direction::kToDevice, layout, to_busy, busy);
+  auto on_busy = copier->record(busy);
+  copier->copy_pages(hicache::Direction::kToDevice, layout, to_free, free_stream);
+  auto on_free = copier->record(free_stream);
+  on_free->wait();
+  EXPECT_FALSE(on_busy->done()) << "the load on the free stream waited for the busy one";
+  on_busy->wait();
+  for (std::int64_t i = 0; i < 8; ++i) {
+    EXPECT_EQ(pool.page(16 + i), pool.page(i)) << "busy stream, page " << i;
+    EXPECT_EQ(pool.page(32 + i), pool.page(i)) << "free stream, page " << i;
+  }
+  cudaStreamDestroy(busy);
+  cudaStreamDestroy(free_stream);
 }
 
 TEST(CudaCopier, LayerMajorManySegmentsRoundTrip) {
@@ -208,28 +351,34 @@ TEST(CudaCopier, PollRetiresEachStreamIndependently) {
 TEST(CudaCopier, StoresNeverWaitForTheEnginesStream) {
   // A store must never make the engine's thread wait for work already queued on the GPU (the
   // copy kernels are loaded when the cache is built: CUDA's lazy loading would otherwise wait
-  // for running kernels at the first launch).
+  // for running kernels at the first launch), on the kernel path (256 KiB pages) and on the
+  // staged path (1 MiB layer-major pages, whose staging is allocated at the first store).
   if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
   cudaStream_t s;
   CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-  DevicePool pool(16, {256 << 10});
-  hicache::CacheConfig c = config(8);
-  c.pool_chunk_bytes = 512 << 10;  // two pages a chunk, four chunks
-  c.pin_upfront = true;
-  hicache::HostPrefixCache cache(pool.segments(), kGpu, c);
-  EXPECT_EQ(cache.stats().host_bytes, 8 * (256 << 10));
-  spin<<<1, 1, 0, s>>>(kSpinCycles);
-  CK(cudaGetLastError());
-  const auto t0 = std::chrono::steady_clock::now();
-  EXPECT_EQ(cache.store("a", tokens(4 * 128 + 1), ids(0, 5), s), 4);
-  const double ms =
-      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
-  EXPECT_EQ(cudaStreamQuery(s), cudaErrorNotReady) << "store took " << ms << " ms";
-  EXPECT_LT(ms, 30.0);
-  drain(cache);
-  EXPECT_EQ(cache.try_resume("b", tokens(4 * 128 + 1), give(8), s), 4 * 128);
-  drain(cache);
-  EXPECT_EQ(pool.page(11), pool.page(3));
+  for (const auto& chunks : {std::vector<std::int64_t>{256 << 10},
+                             std::vector<std::int64_t>(4, 256 << 10)}) {
+    SCOPED_TRACE(chunks.size());
+    DevicePool pool(16, chunks);
+    const std::int64_t page = 256 * 1024 * static_cast<std::int64_t>(chunks.size());
+    hicache::CacheConfig c = config(8);
+    c.pool_chunk_bytes = static_cast<std::size_t>(2 * page);  // two pages a chunk, four chunks
+    c.pin_upfront = true;
+    hicache::HostPrefixCache cache(pool.segments(), kGpu, c);
+    EXPECT_EQ(cache.stats().host_bytes, 8 * page);
+    spin<<<1, 1, 0, s>>>(kSpinCycles);
+    CK(cudaGetLastError());
+    const auto t0 = std::chrono::steady_clock::now();
+    EXPECT_EQ(cache.store("a", tokens(4 * 128 + 1), ids(0, 5), s), 4);
+    const double ms =
+        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+    EXPECT_EQ(cudaStreamQuery(s), cudaErrorNotReady) << "store took " << ms << " ms";
+    EXPECT_LT(ms, 30.0);
+    drain(cache);
+    EXPECT_EQ(cache.try_resume("b", tokens(4 * 128 + 1), give(8), s), 4 * 128);
+    drain(cache);
+    EXPECT_EQ(pool.page(11), pool.page(3));
+  }
   cudaStreamDestroy(s);
 }
 

@@ -170,6 +170,8 @@ def test_bad_segments_raise(make_segments, match) -> None:
         (dict(), "exactly one of capacity_pages and host_bytes"),
         (dict(capacity_pages=4, host_bytes=100), "exactly one"),
         (dict(host_bytes=10), "holds no page"),
+        (dict(capacity_pages=4, cuda_blocks=0), "cuda_blocks must be in"),
+        (dict(capacity_pages=4, cuda_staging_bytes=-1), "cuda_staging_bytes must be >= 0"),
     ],
 )
 def test_bad_configs_raise(kwargs, match) -> None:

@@ -31,9 +31,12 @@ def pages(segments: list[torch.Tensor], blocks: list[int]) -> list[torch.Tensor]
     ],
     ids=["page-major", "layer-major", "kv-views"],
 )
-def test_random_bytes_round_trip_on_the_gpu(make) -> None:
+# Staging: the default (layer-major's 2 MiB pages are staged, 8 pages a window); windows of a
+# quarter page (segment groups); none (the kernel across PCIe).
+@pytest.mark.parametrize("staging", [16 << 20, 1 << 20, 0], ids=["staged", "quarter-window", "kernel"])
+def test_random_bytes_round_trip_on_the_gpu(make, staging: int) -> None:
     segments = [random_(s) for s in make()]
-    cache = hicache.HostPrefixCache(segments, block_tokens=B, capacity_pages=32)
+    cache = hicache.HostPrefixCache(segments, block_tokens=B, capacity_pages=32, cuda_staging_bytes=staging)
     prompt = torch.arange(10 * B + 5)
     before = pages(segments, list(range(10)))
     assert cache.store("a", prompt, list(range(11))) == 10

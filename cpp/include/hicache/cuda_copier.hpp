@@ -19,6 +19,16 @@ struct CudaCopierOptions {
   /// contiguous rate on 4.4 MB chunks where the kernel reaches 0.92-0.94, but only 0.91 on
   /// 256 KiB chunks and 0.07-0.39 on 16 KiB ones. 0 disables DMA.
   std::size_t dma_min_chunk_bytes = std::size_t{1} << 20;
+  /// Device memory, per direction, through which pages with smaller chunks cross PCIe: each
+  /// host page moves whole on the DMA engines into one of two staging windows of half this
+  /// size, and the kernel scatters it to the engine's blocks at HBM speed (or gathers, for
+  /// stores). Each stream that stores or loads gets its own staging (up to 4 streams a direction,
+  /// then they share), allocated at its first use: the copier holds staging_bytes of device
+  /// memory per (stream, direction) in use. 0: no staging, the kernel copies across PCIe.
+  std::size_t staging_bytes = std::size_t{16} << 20;
+  /// Pages smaller than this are not staged: the DMA engines lose to the kernel on small pieces
+  /// (host slots are not adjacent in general, so each page is one DMA piece).
+  std::size_t staging_min_page_bytes = std::size_t{512} << 10;
 };
 
 /// Whether this build has the CUDA copier and a CUDA device is visible.

@@ -1,0 +1,86 @@
+#include "segment_table.hpp"
+
+#include <algorithm>
+
+#include "cuda_check.cuh"
+
+namespace hicache::cuda {
+namespace {
+
+// Vectors in flight per thread. Reads across PCIe (to device) are latency-bound and want many;
+// reads from HBM (to host) need fewer, and 16-byte vectors at 8 deep would spill registers
+// under the 64-register budget of 1024-thread CTAs.
+template <typename V, bool kToHost>
+constexpr int kUnroll = (sizeof(V) == 16 && kToHost) ? 4 : 8;
+
+template <typename V, bool kToHost>
+void launch_one(const SegmentDesc* segs, int nseg, long long tiles_per_page, const MoveBatch& batch,
+                int blocks, int threads, cudaStream_t stream) {
+  page_copy_kernel<V, kUnroll<V, kToHost>, kToHost>
+      <<<blocks, threads, 0, stream>>>(segs, nseg, tiles_per_page, batch);
+  HICACHE_CUDA_CHECK(cudaGetLastError());
+}
+
+template <typename V>
+void load_pair() {
+  cudaFuncAttributes a;
+  HICACHE_CUDA_CHECK(cudaFuncGetAttributes(&a, page_copy_kernel<V, kUnroll<V, true>, true>));
+  HICACHE_CUDA_CHECK(cudaFuncGetAttributes(&a, page_copy_kernel<V, kUnroll<V, false>, false>));
+}
+
+}  // namespace
+
+SegmentTable::SegmentTable(const std::vector<SegmentRow>& rows, int vec, int threads)
+    : count_(static_cast<int>(rows.size())), vec_(vec), threads_(threads) {
+  const long long tile = static_cast<long long>(threads) * vec;
+  std::vector<SegmentDesc> table;
+  table.reserve(rows.size());
+  for (const SegmentRow& r : rows) {
+    table.push_back({r.base, r.stride, r.bytes, r.host_offset, tiles_per_page_});
+    tiles_per_page_ += (r.bytes + tile - 1) / tile;
+  }
+  HICACHE_CUDA_CHECK(cudaMalloc(&rows_, table.size() * sizeof(SegmentDesc)));
+  const cudaError_t err = cudaMemcpy(rows_, table.data(), table.size() * sizeof(SegmentDesc),
+                                     cudaMemcpyHostToDevice);
+  if (err != cudaSuccess) {
+    cudaFree(rows_);
+    throw_cuda_error(err, "cudaMemcpy(segment table)", __FILE__, __LINE__);
+  }
+}
+
+SegmentTable::~SegmentTable() { cudaFree(rows_); }
+
+void SegmentTable::launch(Direction dir, std::span<const PageMove> moves, int max_blocks,
+                          cudaStream_t s) const {
+  const bool to_host = dir == Direction::kToHost;
+  for (std::size_t first = 0; first < moves.size(); first += kMaxMovesPerLaunch) {
+    MoveBatch batch;
+    batch.count = static_cast<int>(std::min<std::size_t>(kMaxMovesPerLaunch, moves.size() - first));
+    for (int i = 0; i < batch.count; ++i) {
+      batch.blocks[i] = moves[first + i].block;
+      batch.hosts[i] = reinterpret_cast<char*>(moves[first + i].host);
+    }
+    const long long work = (static_cast<long long>(batch.count) * tiles_per_page_ + 3) / 4;
+    const int blocks = static_cast<int>(std::min<long long>(max_blocks, work));
+    const int t = threads_;
+    if (vec_ == 16) {
+      to_host ? launch_one<uint4, true>(rows_, count_, tiles_per_page_, batch, blocks, t, s)
+              : launch_one<uint4, false>(rows_, count_, tiles_per_page_, batch, blocks, t, s);
+    } else if (vec_ == 4) {
+      to_host ? launch_one<unsigned, true>(rows_, count_, tiles_per_page_, batch, blocks, t, s)
+              : launch_one<unsigned, false>(rows_, count_, tiles_per_page_, batch, blocks, t, s);
+    } else {
+      to_host
+          ? launch_one<unsigned char, true>(rows_, count_, tiles_per_page_, batch, blocks, t, s)
+          : launch_one<unsigned char, false>(rows_, count_, tiles_per_page_, batch, blocks, t, s);
+    }
+  }
+}
+
+void SegmentTable::load_kernels() {
+  load_pair<uint4>();
+  load_pair<unsigned>();
+  load_pair<unsigned char>();
+}
+
+}  // namespace hicache::cuda
