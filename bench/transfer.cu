@@ -404,8 +404,7 @@ void bench_pinning(double gib) {
     std::size_t chunk;
   };
   for (const Mode& m :
-       {Mode{"cudaHostAlloc", hicache::cuda::PinMode::kHostAlloc, std::size_t{256} << 20},
-        Mode{"cudaHostAlloc", hicache::cuda::PinMode::kHostAlloc, std::size_t{1} << 30},
+       {Mode{"cudaHostAlloc", hicache::cuda::PinMode::kHostAlloc, std::size_t{1} << 30},
         Mode{"mmap + parallel fault + cudaHostRegister", hicache::cuda::PinMode::kRegister,
              std::size_t{256} << 20},
         Mode{"mmap + parallel fault + cudaHostRegister", hicache::cuda::PinMode::kRegister,

@@ -1,91 +1,110 @@
 #!/usr/bin/env bash
-# Everything that needs the GPU, in one call on the device machine: build (C++ tests, benchmark,
-# Python wheel for sm_90), run every GPU test (GoogleTest + pytest), compute-sanitizer memcheck and
-# racecheck over the GPU tests, then the transfer benchmarks. Logs under $OUT; a short table last.
+# Everything that needs the GPU, on the device machine: build (C++ tests, benchmark, Python wheel
+# for sm_90), the GPU tests (GoogleTest + pytest) and compute-sanitizer over them, the transfer
+# and interference benchmarks, the Llama-3-8B-shaped demo, and the 10-minute GPU soak. Logs under
+# $OUT; a short table last.
 #
-# GoogleTest is not on the device image: the googletest source package travels as .deps/*.deb
-# (see scripts/fetch_gpu_deps.sh) and is built here.
+# usage: scripts/gpu_run.sh STEP...   (steps run in the order given)
+#   build       gtest (from .deps, see scripts/fetch_gpu_deps.sh), C++ build, wheel; incremental
+#   test        ctest, the example engine, pytest
+#   sanitize    memcheck, racecheck, synccheck, initcheck over the GPU GoogleTests; memcheck over
+#               the GPU pytest file
+#   bench       bench/transfer (markdown into $OUT/bench_transfer.md), bench/transfer_matmul.py
+#   demo        hicache demo with a Llama-3-8B-shaped model, 8K-26K-token conversations
+#   soak-start  start bench/soak.py --device cuda detached (setsid), so it outlives this call
+#               (a call may run 10 minutes at most); later steps run beside it
+#   soak-wait   wait for it (in a later call on the same warm machine) and keep its log
+#   all         build test sanitize bench demo
 #
-# usage: scripts/gpu_run.sh [test|bench|all|soak-start|soak-wait]
-#   test, bench, all: build (incremental on a warm machine), then the tests and/or the benchmarks
-#     (transfer, matmul interference, the Llama-3-8B-shaped demo).
-#   soak-start: build the wheel, then start the 10-minute GPU soak detached (setsid) so that it
-#     outlives this call; soak-wait, in the next call on the same warm machine, waits for it and
-#     copies its log under $OUT. (One call may run 10 minutes at most.)
+# The device tool brings back at most 8 files from $OUT: every log goes to $LOGS and is packed
+# into $OUT/logs.tgz after each step (so a call cut off at its time limit still returns them);
+# the benchmark tables are also copied to $OUT as they are written.
 set -uo pipefail
-phase=${1:-all}
 OUT=${OUT:-$PWD/build/gpu-out}
-mkdir -p "$OUT"
+LOGS=${LOGS:-/tmp/hicache-gpu-logs}
+mkdir -p "$OUT" "$LOGS"
 export PYTHONUNBUFFERED=1 CMAKE_BUILD_PARALLEL_LEVEL=16
 summary=()
-run() {  # run NAME COMMAND...: log to $OUT/NAME.log, remember the outcome
+run() {  # run NAME COMMAND...: log to $LOGS/NAME.log, remember the outcome
   local name=$1; shift
   local t0=$(date +%s)
-  "$@" >"$OUT/$name.log" 2>&1
+  "$@" >"$LOGS/$name.log" 2>&1
   local rc=$?
-  summary+=("$(printf '%-28s %-5s %4ss' "$name" "$([ $rc = 0 ] && echo ok || echo FAIL:$rc)" $(( $(date +%s) - t0 )))")
-  tail -3 "$OUT/$name.log"
+  summary+=("$(printf '%-28s %-7s %4ss' "$name" "$([ $rc = 0 ] && echo ok || echo FAIL:$rc)" $(( $(date +%s) - t0 )))")
+  printf '%s\n' "${summary[@]}" >"$LOGS/summary.txt"
+  tail -3 "$LOGS/$name.log"
+  tar -czf "$OUT/logs.tgz" -C "$LOGS" .
   return $rc
 }
-
-if [ "$phase" != soak-wait ]; then
 gt=/tmp/gtest
-if [ "$phase" != soak-start ] && [ ! -d $gt/install ]; then
-  run gtest-build bash -c "mkdir -p $gt && dpkg -x .deps/googletest_*.deb $gt/src && \
-    cmake -S $gt/src/usr/src/googletest -B $gt/build -G Ninja -DCMAKE_INSTALL_PREFIX=$gt/install \
-      -DBUILD_GMOCK=OFF && cmake --build $gt/build && cmake --install $gt/build"
-fi
-
-[ "$phase" != soak-start ] && run build-cpp bash -c "cmake -S . -B build/gpu -G Ninja -DHICACHE_BUILD_TESTS=ON -DHICACHE_BUILD_BENCH=ON \
-  -DHICACHE_BUILD_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DGTest_DIR=$gt/install/lib/cmake/GTest && \
-  cmake --build build/gpu"
-run build-wheel python3 -m pip install -q --no-build-isolation --no-deps \
-  --config-settings=cmake.define.CMAKE_CUDA_ARCHITECTURES=90 --config-settings=build-dir=build/gpu-wheel .
-python3 -c "import hicache; print('cuda_available', hicache.cuda_available())" | tee "$OUT/cuda_available.txt"
-fi
-
-if [ "$phase" = test ] || [ "$phase" = all ]; then
-run ctest bash -c "cd build/gpu && ctest --output-on-failure"
-run example-gpu bash -c "cmake --install build/gpu --prefix build/gpu-install && \
-  cmake -S examples/cpp -B build/gpu-example -G Ninja -DCMAKE_PREFIX_PATH=\$PWD/build/gpu-install \
-    -DCMAKE_CUDA_ARCHITECTURES=90 && cmake --build build/gpu-example && \
-  build/gpu-example/example_engine --gpu && build/gpu-example/example_engine"
-run lazy-pinning build/gpu/hicache_tests --gtest_filter="CudaCopier.LazyPinning*"
-run pytest bash -c "cd tests/py && python3 -m pytest -q -rs -p no:cacheprovider ."
-# The sanitizers serialize kernels, so tests that assert a kernel is still running cannot hold
-# under them; every other GPU test runs under each tool.
-san_filter='CudaCopier.*:-CudaCopier.InFlight*:CudaCopier.StagedLoadsQueued*:CudaCopier.PollRetires*:CudaCopier.StoresNeverWait*:CudaCopier.LazyPinning*'
-run memcheck-cpp compute-sanitizer --tool memcheck --leak-check full --error-exitcode 9 build/gpu/hicache_tests --gtest_filter="$san_filter"
-run racecheck-cpp compute-sanitizer --tool racecheck --error-exitcode 9 build/gpu/hicache_tests --gtest_filter="$san_filter"
-run synccheck-cpp compute-sanitizer --tool synccheck --error-exitcode 9 build/gpu/hicache_tests --gtest_filter="$san_filter"
-run initcheck-cpp compute-sanitizer --tool initcheck --error-exitcode 9 build/gpu/hicache_tests --gtest_filter="$san_filter"
-grep -hE "SUMMARY|PASSED|FAILED" "$OUT"/*check-*.log > "$OUT/sanitizers.txt" 2>/dev/null
-run memcheck-py bash -c "cd tests/py && compute-sanitizer --tool memcheck --error-exitcode 9 \
-  python3 -m pytest -q -p no:cacheprovider test_cuda.py -k 'not matmul'"
-fi
-
-if [ "$phase" = bench ] || [ "$phase" = all ]; then
-run bench-transfer build/gpu/hicache_bench_transfer --pool-gib ${POOL_GIB:-32} --out "$OUT/bench_transfer.md"
-run bench-matmul bash -c "for cb in 4 2 1; do python3 bench/transfer_matmul.py --cuda-blocks \$cb; echo; done"
-cp "$OUT/bench-matmul.log" "$OUT/bench_matmul.md" 2>/dev/null
-run demo-8b python3 -m hicache.cli demo --device cuda --model llama3-8b --conversations 2 --turns 4 \
-  --first-tokens 8192 --user-tokens 6000 --new-tokens 4 --cache-pages 640
-fi
-
 soak_dir=/tmp/hicache-soak
-if [ "$phase" = soak-start ]; then
+steps=("$@")
+[ ${#steps[@]} = 0 ] && steps=(all)
+[ "${steps[*]}" = all ] && steps=(build test sanitize bench demo)
+
+for step in "${steps[@]}"; do
+case $step in
+build)
+  if [ ! -d $gt/install ]; then
+    run gtest-build bash -c "mkdir -p $gt && dpkg -x .deps/googletest_*.deb $gt/src && \
+      cmake -S $gt/src/usr/src/googletest -B $gt/build -G Ninja -DCMAKE_INSTALL_PREFIX=$gt/install \
+        -DBUILD_GMOCK=OFF && cmake --build $gt/build && cmake --install $gt/build"
+  fi
+  run build-cpp bash -c "cmake -S . -B build/gpu -G Ninja -DHICACHE_BUILD_TESTS=ON -DHICACHE_BUILD_BENCH=ON \
+    -DHICACHE_BUILD_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DGTest_DIR=$gt/install/lib/cmake/GTest && \
+    cmake --build build/gpu"
+  run build-wheel python3 -m pip install -q --no-build-isolation --no-deps \
+    --config-settings=cmake.define.CMAKE_CUDA_ARCHITECTURES=90 --config-settings=build-dir=build/gpu-wheel .
+  python3 -c "import hicache; print('cuda_available', hicache.cuda_available())"
+  ;;
+test)
+  run ctest bash -c "cd build/gpu && ctest --output-on-failure"
+  run example-gpu bash -c "cmake --install build/gpu --prefix build/gpu-install && \
+    cmake -S examples/cpp -B build/gpu-example -G Ninja -DCMAKE_PREFIX_PATH=\$PWD/build/gpu-install \
+      -DCMAKE_CUDA_ARCHITECTURES=90 && cmake --build build/gpu-example && \
+    build/gpu-example/example_engine --gpu && build/gpu-example/example_engine"
+  run pytest bash -c "cd tests/py && python3 -m pytest -q -rs -p no:cacheprovider ."
+  ;;
+sanitize)
+  # The sanitizers serialize kernels, so tests that assert a kernel is still running cannot hold
+  # under them; every other GPU test runs under each tool.
+  f='CudaCopier.*:-CudaCopier.InFlight*:CudaCopier.StagedLoadsQueued*:CudaCopier.PollRetires*:CudaCopier.StoresNeverWait*:CudaCopier.LazyPinning*'
+  for tool in memcheck racecheck synccheck initcheck; do
+    extra=; [ $tool = memcheck ] && extra="--leak-check full"
+    run $tool-cpp compute-sanitizer --tool $tool $extra --error-exitcode 9 build/gpu/hicache_tests --gtest_filter="$f"
+  done
+  grep -HE "ERROR SUMMARY|PASSED|FAILED" "$LOGS"/*check-cpp.log > "$OUT/sanitizers.txt" 2>/dev/null
+  run memcheck-py bash -c "cd tests/py && compute-sanitizer --tool memcheck --error-exitcode 9 \
+    python3 -m pytest -q -p no:cacheprovider test_cuda.py -k 'not matmul'"
+  ;;
+bench)
+  run bench-transfer build/gpu/hicache_bench_transfer --pool-gib ${POOL_GIB:-32} --out "$OUT/bench_transfer.md"
+  run bench-matmul bash -c "for cb in 4 1; do python3 bench/transfer_matmul.py --cuda-blocks \$cb; echo; done"
+  cp "$LOGS/bench-matmul.log" "$OUT/bench_matmul.md"
+  ;;
+demo)
+  run demo-8b python3 -m hicache.cli demo --device cuda --model llama3-8b --conversations 2 --turns 4 \
+    --first-tokens 8192 --user-tokens 6000 --new-tokens 4 --cache-pages 640
+  cp "$LOGS/demo-8b.log" "$OUT/demo_8b.md"
+  ;;
+soak-start)
   rm -rf $soak_dir && mkdir -p $soak_dir
   setsid bash -c "python3 bench/soak.py --minutes ${SOAK_MINUTES:-10} --device cuda \
     >$soak_dir/log 2>&1; echo \$? >$soak_dir/rc" </dev/null >/dev/null 2>&1 &
-  sleep 30; echo "soak started; first 30 s:"; cat $soak_dir/log
-fi
-if [ "$phase" = soak-wait ]; then
+  sleep 15; echo "soak started; its first 15 s:"; cat $soak_dir/log
+  ;;
+soak-wait)
+  t0=$(date +%s)
   while [ ! -f $soak_dir/rc ]; do sleep 5; done
   cp $soak_dir/log "$OUT/soak_gpu.md"
-  summary+=("$(printf '%-28s %-5s' soak-gpu "$([ "$(cat $soak_dir/rc)" = 0 ] && echo ok || echo FAIL)")")
+  summary+=("$(printf '%-28s %-7s %4ss' soak-gpu "$([ "$(cat $soak_dir/rc)" = 0 ] && echo ok || echo FAIL)" $(( $(date +%s) - t0 )))")
   cat "$OUT/soak_gpu.md"
-fi
+  ;;
+*) echo "unknown step: $step" >&2; exit 2 ;;
+esac
+done
 
+echo; cat "$OUT/sanitizers.txt" 2>/dev/null
 echo; cat "$OUT/bench_transfer.md" 2>/dev/null; echo; cat "$OUT/bench_matmul.md" 2>/dev/null
-echo; tail -25 "$OUT/demo-8b.log" 2>/dev/null
+echo; tail -22 "$OUT/demo_8b.md" 2>/dev/null
 echo; printf '%s\n' "${summary[@]}"

@@ -172,18 +172,19 @@ TEST(CudaCopier, StagedPathRoundTripsThroughEveryWindowShape) {
   if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
   cudaStream_t s;
   CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-  DevicePool pool(40, std::vector<std::int64_t>(16, 32 << 10), 512);  // 512 KiB pages
+  // Small pages keep this fast under compute-sanitizer: 16 chunks of 4 KiB, 64 KiB pages.
+  DevicePool pool(40, std::vector<std::int64_t>(16, 4 << 10), 512);
   // Windows of several pages (and a last, partial window); of exactly one page; of a quarter
   // page (four segment groups a page); the legacy stream; the kernel-only path for reference.
-  for (std::size_t staging : {std::size_t{6} << 20, std::size_t{1} << 20, std::size_t{256} << 10}) {
+  for (std::size_t staging : {std::size_t{768} << 10, std::size_t{128} << 10, std::size_t{32} << 10}) {
     SCOPED_TRACE(staging);
     expect_copier_round_trip(pool, staged(staging), 19, s, s);
     expect_copier_round_trip(pool, staged(staging), 7, nullptr, nullptr);
   }
   expect_copier_round_trip(pool, kKernelOnly, 19, s, s);
   // Segments of unequal sizes, one larger than a window: the window widens to hold it.
-  DevicePool uneven(24, {96 << 10, 400 << 10, 48 << 10, 160 << 10});
-  expect_copier_round_trip(uneven, staged(512 << 10), 11, s, s);
+  DevicePool uneven(24, {12 << 10, 50 << 10, 6 << 10, 20 << 10});
+  expect_copier_round_trip(uneven, staged(64 << 10), 11, s, s);
   cudaStreamDestroy(s);
 }
 
@@ -192,9 +193,9 @@ TEST(CudaCopier, StagedStoreAndLoadAtOnceOnTwoStreams) {
   cudaStream_t a, b;
   CK(cudaStreamCreateWithFlags(&a, cudaStreamNonBlocking));
   CK(cudaStreamCreateWithFlags(&b, cudaStreamNonBlocking));
-  DevicePool pool(64, std::vector<std::int64_t>(8, 128 << 10));  // 1 MiB pages, staged
+  DevicePool pool(64, std::vector<std::int64_t>(8, 16 << 10));  // 128 KiB pages
   hicache::PageLayout layout(pool.segments(), kGpu);
-  auto copier = hicache::make_cuda_copier(0, staged(4 << 20));
+  auto copier = hicache::make_cuda_copier(0, staged(512 << 10));  // two pages a window
   copier->bind(layout);
   hicache::HostPool host(layout.page_bytes(), 32, std::size_t{64} << 20, copier->host_allocator());
   std::vector<hicache::PageMove> first, reload, second;
@@ -232,9 +233,9 @@ TEST(CudaCopier, StagedLoadsQueuedBehindABusyStreamDoNotHoldUpOtherStreams) {
   cudaStream_t busy, free_stream;
   CK(cudaStreamCreateWithFlags(&busy, cudaStreamNonBlocking));
   CK(cudaStreamCreateWithFlags(&free_stream, cudaStreamNonBlocking));
-  DevicePool pool(64, std::vector<std::int64_t>(8, 128 << 10));
+  DevicePool pool(64, std::vector<std::int64_t>(8, 16 << 10));
   hicache::PageLayout layout(pool.segments(), kGpu);
-  auto copier = hicache::make_cuda_copier(0, staged(2 << 20));  // one page a window
+  auto copier = hicache::make_cuda_copier(0, staged(256 << 10));  // one page a window
   copier->bind(layout);
   hicache::HostPool host(layout.page_bytes(), 16, std::size_t{64} << 20, copier->host_allocator());
   std::vector<hicache::PageMove> out, to_busy, to_free;
