@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "cuda_check.cuh"
+#include "dma_batch.hpp"
 #include "hicache/cuda_copier.hpp"
 #include "pinned_allocator.hpp"
 #include "segment_table.hpp"
@@ -202,11 +203,7 @@ class CudaCopier final : public Copier {
         sizes.push_back(static_cast<std::size_t>(segs[i].block_bytes));
       }
     }
-    cudaMemcpyAttributes attr{};
-    attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
-    std::size_t attr_index = 0;
-    HICACHE_CUDA_CHECK(cudaMemcpyBatchAsync(dst.data(), src.data(), sizes.data(), sizes.size(),
-                                            &attr, &attr_index, 1, s));
+    copy_batch(dst.data(), src.data(), sizes.data(), sizes.size(), s);
   }
 
   void check_on_device(const void* p, std::size_t s, const char* what) const {

@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "cuda_check.cuh"
+#include "dma_batch.hpp"
 
 namespace hicache::cuda {
 
@@ -91,15 +92,7 @@ void StagingLane::dma(Direction dir, std::span<const PageMove> moves, const Stag
     dst_.push_back(dir == Direction::kToHost ? static_cast<void*>(host) : stage);
     sizes_.push_back(g.bytes);
   }
-  if (sizes_.size() == 1) {
-    HICACHE_CUDA_CHECK(cudaMemcpyAsync(dst_[0], src_[0], sizes_[0], cudaMemcpyDefault, stream_));
-    return;
-  }
-  cudaMemcpyAttributes attr{};
-  attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
-  std::size_t attr_index = 0;
-  HICACHE_CUDA_CHECK(cudaMemcpyBatchAsync(dst_.data(), src_.data(), sizes_.data(), sizes_.size(),
-                                          &attr, &attr_index, 1, stream_));
+  copy_batch(dst_.data(), src_.data(), sizes_.data(), sizes_.size(), stream_);
 }
 
 void StagingLane::copy(Direction dir, std::span<const PageMove> moves, int max_blocks,
