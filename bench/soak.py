@@ -8,7 +8,8 @@ the pool, so the pool is full and evicting the whole time; some requests are for
 their copies complete (aborts), the others a few requests later (as an engine forgets a request
 when its decoding ends), some allocations are refused. Every few seconds it samples RSS and the
 cache's counters. At the end it fails unless RSS after warm-up grew by less than --max-rss-growth
-MiB, nothing is left busy or in flight once drained, and the pool is exactly full; on a GPU,
+MiB, nothing is left busy or in flight once drained, the pool is exactly full, and every loaded
+page checked (all on the CPU, every fourth hit on a GPU) holds what was stored for it; on a GPU,
 free device memory (the copier's staging, segment tables, events) must not shrink after warm-up
 by more than --max-gpu-growth MiB either.
 """
@@ -69,7 +70,7 @@ def main() -> int:
     args = p.parse_args()
     B, blocks = 128, 1024
     dev = torch.device(args.device)
-    segs = [torch.zeros(blocks, B, 8, 64, dtype=torch.float16, device=dev) for _ in range(8)]  # 1 MiB pages
+    segs = [torch.zeros(blocks, B, 8, 64, dtype=torch.int16, device=dev) for _ in range(8)]  # 1 MiB pages
     cache = hicache.HostPrefixCache(segs, block_tokens=B, capacity_pages=args.pages, pin_upfront=True)
     rng = np.random.default_rng(0)
     convs = [rng.integers(0, 50000, size=int(rng.integers(8, 40)) * B + 17) for _ in range(64)]  # ~1500 pages
@@ -77,14 +78,33 @@ def main() -> int:
     samples, ops, n = [], 0, 0
     live: collections.deque[str] = collections.deque()
     next_sample = time.time()
+    verified = wrong = hits_seen = 0
+    verify_every = 4 if dev.type == "cuda" else 1  # a check synchronizes the GPU
     while time.time() < t_end:
-        conv = convs[int(rng.integers(0, len(convs)))]
+        c = int(rng.integers(0, len(convs)))
+        conv = convs[c]
         prompt = conv[: int(rng.integers(B + 1, len(conv) + 1))]
         table = [int(b) for b in rng.choice(blocks, size=len(prompt) // B + 1, replace=False)]
+        full = len(prompt) // B
+        idx = torch.tensor(table[:full], device=dev)
+        # Page i of conversation c holds the value c*64+i+1 everywhere: what "prefill" writes.
+        pattern = torch.arange(full, device=dev, dtype=torch.int16) + (c * 64 + 1)
         rid = f"r{n}"
         n += 1
         refuse = rng.random() < 0.1
-        cache.try_resume(rid, prompt, lambda k, t=table, r=refuse: None if r else t[: k // B])
+        for seg in segs:
+            seg[idx] = -1  # poison: a load that did not happen cannot pass for one that did
+        got = cache.try_resume(rid, prompt, lambda k, t=table, r=refuse: None if r else t[: k // B])
+        if got > 0:
+            hits_seen += 1
+            if hits_seen % verify_every == 0:
+                k = got // B
+                for seg in segs:
+                    ok_pages = (seg[idx[:k]] == pattern[:k, None, None, None]).flatten(1).all(1)
+                    wrong += int((~ok_pages).sum().item())
+                    verified += k
+        for seg in segs:
+            seg[idx] = pattern[:, None, None, None]
         cache.store(rid, prompt, table)
         cache.poll()
         if rng.random() < 0.1:
@@ -118,7 +138,8 @@ def main() -> int:
     gpu_warm, gpu_peak = samples[w][2], max(x[2] for x in samples[w:])
     print(
         f"{ops} operations in {args.minutes} min on {args.device}: {s.lookups} lookups, {s.hits} hits, "
-        f"{s.pages_stored} pages stored, {s.pages_evicted} evicted, {s.errors} errors"
+        f"{s.pages_stored} pages stored, {s.pages_evicted} evicted, {s.errors} errors; "
+        f"{verified} loaded page segments checked against what was stored, {wrong} wrong"
     )
     print(
         f"RSS after warm-up {warm:.1f} MiB, peak later {peak:.1f} MiB; "
@@ -139,6 +160,8 @@ def main() -> int:
         and s.pages_used == s.pages_capacity
         and s.requests == 0
         and s.errors == 0
+        and wrong == 0
+        and verified > 0
     )
     print("flat and consistent:", "yes" if ok else "NO")
     return 0 if ok else 1
