@@ -7,8 +7,8 @@
 // so every page and state the cache serves is checked against the prefix it was served for
 // (exactness, also with 1- to 3-bit keys where collisions are constant: with them, removing the
 // token comparison from the cache is caught within seconds; with 3-bit keys alone it survived
-// 60 s). Accounting is checked after
-// every operation. Anything but the documented exceptions aborts.
+// 60 s). Accounting is checked after every operation. Anything but the documented exceptions
+// aborts.
 //
 //   build/fuzz/hicache_fuzz -runs=50000 -max_len=512 -len_control=0   (as in the test command)
 
