@@ -308,6 +308,7 @@ NB_MODULE(_core, m) {
            })
       .def_prop_ro("page_bytes",
                    [](const PyCache& self) { return self.cache->layout().page_bytes(); })
+      .def_prop_ro("copy_path", [](const PyCache& self) { return self.cache->copy_path(); })
       .def_prop_ro("num_blocks",
                    [](const PyCache& self) { return self.cache->layout().num_blocks(); })
       .def_prop_ro("device",

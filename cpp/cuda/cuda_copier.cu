@@ -164,6 +164,10 @@ class CudaCopier final : public Copier {
 
   std::shared_ptr<HostAllocator> host_allocator() override { return allocator_; }
 
+  const char* path() const override {
+    return use_dma_ ? "dma" : plan_ != nullptr ? "staged" : "kernel";
+  }
+
   bool supports(Device d) const override {
     return d.kind == DeviceKind::kCuda && d.index == device_;
   }

@@ -218,6 +218,13 @@ class HostPrefixCache:
         return self._core.page_bytes
 
     @property
+    def copy_path(self) -> str:
+        """How pages move: ``"cpu"``; on a GPU ``"dma"`` (chunks >= 1 MiB), ``"staged"`` (pages
+        >= 512 KiB: DMA through a device staging buffer + an HBM scatter kernel) or ``"kernel"``
+        (a copy kernel across PCIe); ``"deferred"`` or ``"null"`` for those copiers."""
+        return self._core.copy_path
+
+    @property
     def num_blocks(self) -> int:
         return self._core.num_blocks
 

@@ -57,6 +57,7 @@ def _demo(args: argparse.Namespace) -> int:
         "model": args.model,
         "hybrid_window": cfg.window,
         "device": str(device),
+        "copy_path": cached.cache.copy_path if cached.cache else None,
         **dataclasses.asdict(summary),
         "cache": cached.cache.stats_dict() if cached.cache else {},
         "seconds": round(elapsed, 1),
@@ -66,7 +67,11 @@ def _demo(args: argparse.Namespace) -> int:
     else:
         s = summary
         kind = f"hybrid, sliding window {cfg.window}" if cfg.window else "full attention"
-        print(f"\nhicache demo: {args.model} model ({kind}) on {device}, {args.block_tokens}-token blocks\n")
+        path = cached.cache.copy_path if cached.cache else "none"
+        print(
+            f"\nhicache demo: {args.model} model ({kind}) on {device}, {args.block_tokens}-token blocks, "
+            f"{path} copies\n"
+        )
         print("|                     | without cache | with hicache |")
         print("| ------------------- | ------------- | ------------ |")
         print(f"| requests            | {s.requests:>13} | {s.requests:>12} |")

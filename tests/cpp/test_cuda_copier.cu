@@ -8,6 +8,7 @@
 #include <cstdio>
 #include <cstring>
 #include <random>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -166,6 +167,24 @@ TEST(CudaCopier, PageMajorRandomBytesRoundTripOnDmaAndOnTheKernel) {
   expect_round_trip(pool, 12, nullptr);  // the legacy stream, which the DMA batch API refuses
   expect_round_trip(pool, 12, s, hicache::make_cuda_copier(0, kKernelOnly));
   cudaStreamDestroy(s);
+}
+
+TEST(CudaCopier, ThePathFollowsTheLayout) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  auto path_for = [](const DevicePool& pool, hicache::CudaCopierOptions opt = {}) {
+    const hicache::PageLayout layout(pool.segments(), kGpu);
+    auto c = hicache::make_cuda_copier(0, opt);
+    c->bind(layout);
+    return std::string(c->path());
+  };
+  DevicePool large_chunks(4, {1 << 20, 1 << 20});
+  DevicePool layer_major(4, std::vector<std::int64_t>(8, 64 << 10));  // 512 KiB pages
+  DevicePool small_pages(4, std::vector<std::int64_t>(8, 32 << 10));  // 256 KiB pages
+  EXPECT_EQ(path_for(large_chunks), "dma");
+  EXPECT_EQ(path_for(layer_major), "staged");
+  EXPECT_EQ(path_for(small_pages), "kernel");
+  EXPECT_EQ(path_for(layer_major, kKernelOnly), "kernel");
+  EXPECT_EQ(path_for(small_pages, staged(16 << 20)), "staged");
 }
 
 TEST(CudaCopier, StagedPathRoundTripsThroughEveryWindowShape) {

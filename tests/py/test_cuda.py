@@ -37,6 +37,9 @@ def pages(segments: list[torch.Tensor], blocks: list[int]) -> list[torch.Tensor]
 def test_random_bytes_round_trip_on_the_gpu(make, staging: int) -> None:
     segments = [random_(s) for s in make()]
     cache = hicache.HostPrefixCache(segments, block_tokens=B, capacity_pages=32, cuda_staging_bytes=staging)
+    # Layer-major: 8 chunks of 256 KiB, 2 MiB pages; the others have 128 KiB pages.
+    staged = staging > 0 and sum(s[0].numel() * s.element_size() for s in segments) >= 512 << 10
+    assert cache.copy_path == ("staged" if staged else "kernel")
     prompt = torch.arange(10 * B + 5)
     before = pages(segments, list(range(10)))
     assert cache.store("a", prompt, list(range(11))) == 10

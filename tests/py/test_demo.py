@@ -76,3 +76,4 @@ def test_demo_command_reports_identical_tokens_as_json() -> None:
     result = json.loads(out.stdout)
     assert result["tokens_identical"] is True and result["requests"] == 9
     assert result["cached_tokens"] > 0 and result["cache"]["states_loaded"] > 0
+    assert result["device"] == "cpu" and result["copy_path"] == "cpu"

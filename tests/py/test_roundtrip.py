@@ -19,6 +19,7 @@ def run_round_trip(segments: list["torch.Tensor"]) -> None:
     for s in segments:
         random_fill(s, gen)
     cache = hicache.HostPrefixCache(segments, block_tokens=B, capacity_pages=16)
+    assert cache.copy_path == "cpu"
     prompt = torch.arange(5 * B + 1)
     stored = [[s[b].clone() for s in segments] for b in range(5)]
     assert cache.store("a", prompt, torch.arange(6)) == 5

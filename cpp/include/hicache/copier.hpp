@@ -59,6 +59,10 @@ class Copier {
 
   /// Whether engine memory on `device` can be reached by this copier.
   virtual bool supports(Device device) const = 0;
+
+  /// How pages move, for users and logs: "cpu", "deferred", "null"; the CUDA copier, once
+  /// bound: "dma", "staged" or "kernel".
+  virtual const char* path() const = 0;
 };
 
 }  // namespace hicache

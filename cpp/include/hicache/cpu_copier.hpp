@@ -22,6 +22,7 @@ class CpuCopier : public Copier {
   std::unique_ptr<Fence> record(StreamHandle stream) override;
   std::shared_ptr<HostAllocator> host_allocator() override { return allocator_; }
   bool supports(Device device) const override { return device.kind == DeviceKind::kCpu; }
+  const char* path() const override { return "cpu"; }
 
  private:
   std::shared_ptr<HostAllocator> allocator_;
@@ -37,6 +38,7 @@ class NullCopier : public Copier {
   std::unique_ptr<Fence> record(StreamHandle stream) override;
   std::shared_ptr<HostAllocator> host_allocator() override { return allocator_; }
   bool supports(Device) const override { return true; }
+  const char* path() const override { return "null"; }
 
  private:
   std::shared_ptr<HostAllocator> allocator_;
@@ -57,6 +59,7 @@ class DeferredCopier : public Copier {
   std::unique_ptr<Fence> record(StreamHandle stream) override;
   std::shared_ptr<HostAllocator> host_allocator() override { return allocator_; }
   bool supports(Device device) const override { return device.kind == DeviceKind::kCpu; }
+  const char* path() const override { return "deferred"; }
 
   /// Performs every queued copy of `stream`, in order, and completes its fences.
   /// Returns the number of copies performed.

@@ -86,6 +86,8 @@ class HostPrefixCache {
 
   CacheStats stats() const;
   const PageLayout& layout() const { return layout_; }
+  /// How pages move between the engine and host memory (Copier::path()).
+  const char* copy_path() const { return copier_->path(); }
   const CacheConfig& config() const { return config_; }
 
   /// Tests: keys of cached pages, least recently used first.
