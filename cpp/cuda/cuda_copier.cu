@@ -123,6 +123,7 @@ class CudaCopier final : public Copier {
     table_ = std::make_unique<SegmentTable>(rows, vec_, opt_.threads);
     store_lanes_.clear();
     load_lanes_.clear();
+    staging_refused_ = false;
     plan_.reset();
     if (!use_dma_ && opt_.staging_bytes > 0 && layout.page_bytes() >= opt_.staging_min_page_bytes) {
       plan_ = std::make_unique<StagingPlan>(layout, opt_.staging_bytes / 2, vec_, opt_.threads);
@@ -136,7 +137,9 @@ class CudaCopier final : public Copier {
     auto s = static_cast<cudaStream_t>(stream);
     // The batched DMA API refuses the legacy default stream: the kernel serves that one.
     if (use_dma_ && s != nullptr && s != cudaStreamLegacy) return copy_pages_dma(dir, moves, s);
-    if (plan_ != nullptr) return lane(dir, s).copy(dir, moves, opt_.max_blocks, s);
+    if (plan_ != nullptr) {
+      if (StagingLane* l = lane(dir, s)) return l->copy(dir, moves, opt_.max_blocks, s);
+    }
     table_->launch(dir, moves, opt_.max_blocks, s);
   }
 
@@ -177,17 +180,25 @@ class CudaCopier final : public Copier {
   // them. A shared lane couples its streams: a load queued behind long work on one stream holds
   // the lane's windows, and the next load on another stream waits for them.
   static constexpr std::size_t kMaxLanes = 4;
-  StagingLane& lane(Direction dir, cudaStream_t s) {
+  // nullptr when no staging could be allocated: the kernel copies across PCIe instead (slower,
+  // but the engine's device memory is not ours to fight for).
+  StagingLane* lane(Direction dir, cudaStream_t s) {
     std::lock_guard<std::mutex> g(lanes_mu_);
     auto& lanes = dir == Direction::kToHost ? store_lanes_ : load_lanes_;
     for (auto& [stream, l] : lanes) {
-      if (stream == s) return *l;
+      if (stream == s) return l.get();
     }
-    if (lanes.size() < kMaxLanes) {
-      lanes.emplace_back(s, std::make_unique<StagingLane>(*plan_, 2));
-      return *lanes.back().second;
+    if (lanes.size() < kMaxLanes && !staging_refused_) {
+      try {
+        lanes.emplace_back(s, std::make_unique<StagingLane>(*plan_, 2));
+        return lanes.back().second.get();
+      } catch (const Error&) {
+        cudaGetLastError();  // clear the allocation failure
+        staging_refused_ = true;
+      }
     }
-    return *lanes[std::hash<cudaStream_t>{}(s) % lanes.size()].second;
+    if (lanes.empty()) return nullptr;
+    return lanes[std::hash<cudaStream_t>{}(s) % lanes.size()].second.get();
   }
 
   // Large chunks: one batched DMA submission, no SM used.
@@ -227,6 +238,7 @@ class CudaCopier final : public Copier {
   std::unique_ptr<SegmentTable> table_;  // whole pages, for the kernel across PCIe
   std::unique_ptr<StagingPlan> plan_;     // staged path only
   std::mutex lanes_mu_;
+  bool staging_refused_ = false;  // a staging allocation failed: no further attempts
   std::vector<std::pair<cudaStream_t, std::unique_ptr<StagingLane>>> store_lanes_, load_lanes_;
   int vec_ = 16;
   bool use_dma_ = false;

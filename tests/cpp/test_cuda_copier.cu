@@ -207,6 +207,14 @@ TEST(CudaCopier, StagedPathRoundTripsThroughEveryWindowShape) {
   cudaStreamDestroy(s);
 }
 
+TEST(CudaCopier, StagingThatCannotBeAllocatedFallsBackToTheKernel) {
+  // 2 TiB of staging cannot be had: copies still happen, through the kernel. (Not run under
+  // compute-sanitizer, which reports the refused cudaMalloc as an error.)
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  DevicePool pool(40, std::vector<std::int64_t>(16, 4 << 10));
+  expect_copier_round_trip(pool, staged(std::size_t{2} << 40), 9, nullptr, nullptr);
+}
+
 TEST(CudaCopier, StagedStoreAndLoadAtOnceOnTwoStreams) {
   if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
   cudaStream_t a, b;
