@@ -1,4 +1,5 @@
-"""The demo engine on the CPU: every generated token identical with and without the cache."""
+"""The demo engine: every generated token identical with and without the cache (on the CPU, and
+on a GPU in bf16 when there is one)."""
 
 from __future__ import annotations
 
@@ -14,11 +15,20 @@ torch = pytest.importorskip("torch")
 from hicache.demo import PRESETS, PagedEngine, TinyTransformer, make_conversations  # noqa: E402
 from hicache.demo.runner import run_workload, summarize  # noqa: E402
 
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+
 
 @pytest.mark.parametrize("window", [0, 24], ids=["plain", "hybrid"])
-def test_generated_tokens_are_identical_with_and_without_the_cache(window: int) -> None:
+@pytest.mark.parametrize(
+    "device,dtype",
+    [("cpu", torch.float32), pytest.param("cuda", torch.bfloat16, marks=needs_gpu)],
+    ids=["cpu", "cuda-bf16"],
+)
+def test_generated_tokens_are_identical_with_and_without_the_cache(
+    window: int, device: str, dtype: torch.dtype
+) -> None:
     cfg = dataclasses.replace(PRESETS["tiny"], window=window)
-    model = TinyTransformer(cfg, torch.device("cpu"), torch.float32, seed=1)
+    model = TinyTransformer(cfg, torch.device(device), dtype, seed=1)
     convs = make_conversations(6, 9, cfg.vocab, first_tokens=120, user_tokens=40, seed=1)  # 54 requests
     plain = PagedEngine(model, num_blocks=64, block_tokens=32)
     cached = PagedEngine(model, num_blocks=64, block_tokens=32, cache_pages=400)
