@@ -99,6 +99,10 @@ soak-start)
   ;;
 soak-wait)
   t0=$(date +%s)
+  if [ ! -f $soak_dir/log ]; then
+    echo "no soak started on this machine (it went back after the last call?): run soak-start" >&2
+    exit 2
+  fi
   while [ ! -f $soak_dir/rc ]; do sleep 5; done
   cp $soak_dir/log "$OUT/soak_gpu.md"
   summary+=("$(printf '%-28s %-7s %4ss' soak-gpu "$([ "$(cat $soak_dir/rc)" = 0 ] && echo ok || echo FAIL)" $(( $(date +%s) - t0 )))")
