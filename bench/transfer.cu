@@ -101,8 +101,7 @@ struct Setup {
   std::vector<hicache::PageMove> moves, moves2;  // two disjoint batches (two-direction test)
   std::size_t bytes = 0;
 
-  Setup(Geometry geo, int cuda_blocks, std::size_t staging_bytes = std::size_t{16} << 20)
-      : g(geo) {
+  Setup(Geometry geo, int cuda_blocks, std::size_t staging_bytes = std::size_t{16} << 20) : g(geo) {
     const std::int64_t num_blocks = 2 * g.pages + 2;
     for (int s = 0; s < g.segments; ++s) {
       void* p;
@@ -127,8 +126,8 @@ struct Setup {
     dma = hicache::make_cuda_copier(0, {cuda_blocks, 1024, 1, 0});
     dma->bind(*layout);
     auto_path = static_cast<std::size_t>(g.block_bytes) >= o.dma_min_chunk_bytes ? "DMA"
-                : layout->page_bytes() >= o.staging_min_page_bytes             ? "staged"
-                                                                               : "kernel";
+                : layout->page_bytes() >= o.staging_min_page_bytes               ? "staged"
+                                                                                 : "kernel";
     pool = std::make_unique<hicache::HostPool>(layout->page_bytes(), 2 * g.pages,
                                                std::size_t{1} << 30, copier->host_allocator());
     // Engine blocks and host slots both in random order: a full cache reuses the slots of
@@ -251,8 +250,8 @@ void bench_geometry(const Geometry& g, cudaStream_t s, cudaStream_t s2) {
                   g.name, to_host ? "D2H (store)" : "H2D (load)", B / 1e9, n.size(),
                   static_cast<long long>(g.block_bytes >> 10), gbps(B, ceil_ms), gbps(B, ours_ms),
                   ceil_ms / ours_ms, st.auto_path, gbps(B, staged_ms), ceil_ms / staged_ms,
-                  gbps(B, kernel_ms), ceil_ms / kernel_ms, gbps(B, cub_ms), ceil_ms / cub_ms, gbps(B, batch_ms),
-                  ceil_ms / batch_ms);
+                  gbps(B, kernel_ms), ceil_ms / kernel_ms, gbps(B, cub_ms), ceil_ms / cub_ms,
+                  gbps(B, batch_ms), ceil_ms / batch_ms);
     report << line;
   }
 
@@ -342,8 +341,7 @@ void bench_page_sweep(cudaStream_t s) {
 
 // Staging size (device memory per stream and direction) for the Llama geometry.
 void bench_staging_size(const Geometry& g, cudaStream_t s) {
-  report << "\n| " << g.name
-         << ": staging bytes | H2D GB/s | D2H GB/s |\n| --- | --- | --- |\n";
+  report << "\n| " << g.name << ": staging bytes | H2D GB/s | D2H GB/s |\n| --- | --- | --- |\n";
   for (std::size_t mib : {4, 8, 16, 32, 64}) {
     Setup st(g, 4, mib << 20);
     const double B = static_cast<double>(st.bytes);

@@ -7,10 +7,10 @@
 
 #include <algorithm>
 #include <functional>
-#include <utility>
 #include <mutex>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "cuda_check.cuh"
@@ -236,7 +236,7 @@ class CudaCopier final : public Copier {
   std::shared_ptr<EventPool> events_;
   std::shared_ptr<HostAllocator> allocator_;
   std::unique_ptr<SegmentTable> table_;  // whole pages, for the kernel across PCIe
-  std::unique_ptr<StagingPlan> plan_;     // staged path only
+  std::unique_ptr<StagingPlan> plan_;    // staged path only
   std::mutex lanes_mu_;
   bool staging_refused_ = false;  // a staging allocation failed: no further attempts
   std::vector<std::pair<cudaStream_t, std::unique_ptr<StagingLane>>> store_lanes_, load_lanes_;

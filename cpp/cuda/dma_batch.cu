@@ -1,9 +1,8 @@
-#include "dma_batch.hpp"
-
 #include <cstdlib>
 #include <cstring>
 
 #include "cuda_check.cuh"
+#include "dma_batch.hpp"
 
 namespace hicache::cuda {
 namespace {

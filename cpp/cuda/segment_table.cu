@@ -1,8 +1,7 @@
-#include "segment_table.hpp"
-
 #include <algorithm>
 
 #include "cuda_check.cuh"
+#include "segment_table.hpp"
 
 namespace hicache::cuda {
 namespace {
@@ -40,8 +39,8 @@ SegmentTable::SegmentTable(const std::vector<SegmentRow>& rows, int vec, int thr
     tiles_per_page_ += (r.bytes + tile - 1) / tile;
   }
   HICACHE_CUDA_CHECK(cudaMalloc(&rows_, table.size() * sizeof(SegmentDesc)));
-  const cudaError_t err = cudaMemcpy(rows_, table.data(), table.size() * sizeof(SegmentDesc),
-                                     cudaMemcpyHostToDevice);
+  const cudaError_t err =
+      cudaMemcpy(rows_, table.data(), table.size() * sizeof(SegmentDesc), cudaMemcpyHostToDevice);
   if (err != cudaSuccess) {
     cudaFree(rows_);
     throw_cuda_error(err, "cudaMemcpy(segment table)", __FILE__, __LINE__);

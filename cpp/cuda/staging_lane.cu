@@ -1,9 +1,8 @@
-#include "staging_lane.hpp"
-
 #include <algorithm>
 
 #include "cuda_check.cuh"
 #include "dma_batch.hpp"
+#include "staging_lane.hpp"
 
 namespace hicache::cuda {
 
@@ -80,10 +79,10 @@ void StagingLane::dma(Direction dir, std::span<const PageMove> moves, const Stag
     char* host = reinterpret_cast<char*>(moves[i].host) + g.host_offset;
     char* stage = window + i * g.bytes;
     // Host slots that follow each other in memory become one piece.
-    const bool joins = !sizes_.empty() &&
-                       static_cast<char*>(dir == Direction::kToHost ? dst_.back() : src_.back()) +
-                               sizes_.back() ==
-                           host;
+    const bool joins =
+        !sizes_.empty() &&
+        static_cast<char*>(dir == Direction::kToHost ? dst_.back() : src_.back()) + sizes_.back() ==
+            host;
     if (joins) {
       sizes_.back() += g.bytes;
       continue;

@@ -33,8 +33,8 @@ namespace hicache::cuda {
 /// window. With one group, a window holds `pages_per_window` whole pages.
 struct StagingPlan {
   struct Group {
-    std::size_t host_offset = 0;  // where the group starts in a host page
-    std::size_t bytes = 0;        // bytes of the group in one page
+    std::size_t host_offset = 0;          // where the group starts in a host page
+    std::size_t bytes = 0;                // bytes of the group in one page
     std::unique_ptr<SegmentTable> table;  // its segments, offsets relative to the group
   };
   std::vector<Group> groups;

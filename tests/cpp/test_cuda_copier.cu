@@ -195,7 +195,8 @@ TEST(CudaCopier, StagedPathRoundTripsThroughEveryWindowShape) {
   DevicePool pool(40, std::vector<std::int64_t>(16, 4 << 10), 512);
   // Windows of several pages (and a last, partial window); of exactly one page; of a quarter
   // page (four segment groups a page); the legacy stream; the kernel-only path for reference.
-  for (std::size_t staging : {std::size_t{768} << 10, std::size_t{128} << 10, std::size_t{32} << 10}) {
+  for (std::size_t staging :
+       {std::size_t{768} << 10, std::size_t{128} << 10, std::size_t{32} << 10}) {
     SCOPED_TRACE(staging);
     expect_copier_round_trip(pool, staged(staging), 19, s, s);
     expect_copier_round_trip(pool, staged(staging), 7, nullptr, nullptr);
@@ -384,8 +385,8 @@ TEST(CudaCopier, StoresNeverWaitForTheEnginesStream) {
   if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
   cudaStream_t s;
   CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-  for (const auto& chunks : {std::vector<std::int64_t>{256 << 10},
-                             std::vector<std::int64_t>(4, 256 << 10)}) {
+  for (const auto& chunks :
+       {std::vector<std::int64_t>{256 << 10}, std::vector<std::int64_t>(4, 256 << 10)}) {
     SCOPED_TRACE(chunks.size());
     DevicePool pool(16, chunks);
     const std::int64_t page = 256 * 1024 * static_cast<std::int64_t>(chunks.size());
