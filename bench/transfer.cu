@@ -101,7 +101,9 @@ struct Setup {
   std::vector<hicache::PageMove> moves, moves2;  // two disjoint batches (two-direction test)
   std::size_t bytes = 0;
 
-  Setup(Geometry geo, int cuda_blocks, std::size_t staging_bytes = std::size_t{16} << 20) : g(geo) {
+  Setup(Geometry geo, int cuda_blocks, std::size_t staging_bytes = std::size_t{16} << 20,
+        int staging_windows = 2, bool staging_priority = false)
+      : g(geo) {
     const std::int64_t num_blocks = 2 * g.pages + 2;
     for (int s = 0; s < g.segments; ++s) {
       void* p;
@@ -114,6 +116,8 @@ struct Setup {
     hicache::CudaCopierOptions o;
     o.max_blocks = cuda_blocks;
     o.staging_bytes = staging_bytes;
+    o.staging_windows = staging_windows;
+    o.staging_priority = staging_priority;
     copier = hicache::make_cuda_copier(0, o);
     copier->bind(*layout);
     hicache::CudaCopierOptions st = o;
@@ -353,6 +357,23 @@ void bench_staging_size(const Geometry& g, cudaStream_t s) {
     std::snprintf(line, sizeof line, "| %zu MiB%s | %.1f | %.1f |\n", mib,
                   mib == 16 ? " (default)" : "", gbps(B, h2d), gbps(B, d2h));
     report << line;
+  }
+  // Windows and the priority stream, alone on an idle GPU (beside compute: transfer_matmul.py).
+  for (int windows : {2, 8}) {
+    for (bool priority : {false, true}) {
+      if (windows == 2 && !priority) continue;  // the default, above
+      Setup st(g, 4, std::size_t{16} << 20, windows, priority);
+      const double B = static_cast<double>(st.bytes);
+      const double h2d = median_ms(s, [&] {
+        st.staged->copy_pages(hicache::Direction::kToDevice, *st.layout, st.moves, s);
+      });
+      const double d2h = median_ms(
+          s, [&] { st.staged->copy_pages(hicache::Direction::kToHost, *st.layout, st.moves, s); });
+      char line[128];
+      std::snprintf(line, sizeof line, "| 16 MiB, %d windows%s | %.1f | %.1f |\n", windows,
+                    priority ? ", priority stream" : "", gbps(B, h2d), gbps(B, d2h));
+      report << line;
+    }
   }
 }
 

@@ -13,6 +13,7 @@ Prints markdown rows.
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
 from collections.abc import Callable
 
@@ -65,24 +66,18 @@ def main() -> None:
     # Stores need fresh prompts and room: copies queued back to back hold their slots until done.
     stores_in_flight = 16
 
-    def make_cache(staging: int, pages: int) -> hicache.HostPrefixCache:
+    def make_cache(pages: int, **kw: object) -> hicache.HostPrefixCache:
         return hicache.HostPrefixCache(
-            segs,
-            block_tokens=B,
-            capacity_pages=pages,
-            cuda_blocks=args.cuda_blocks,
-            cuda_staging_bytes=staging,
-            pin_upfront=True,
+            segs, block_tokens=B, capacity_pages=pages, cuda_blocks=args.cuda_blocks, pin_upfront=True, **kw
         )
 
-    def variants(staging: int) -> list[tuple[str, Callable[[], None], hicache.HostPrefixCache]]:
-        path = "staged" if staging else "kernel"
-        loads = make_cache(staging, 2 * n)
+    def variants(label: str, **kw: object) -> list[tuple[str, Callable[[], None], hicache.HostPrefixCache]]:
+        loads = make_cache(2 * n, **kw)
         for k, pr in enumerate(prompts):
             loads.store(f"s{k}", pr, list(range(k * n, (k + 1) * n + 1)))
         torch.cuda.synchronize()
         loads.poll()
-        stores = make_cache(staging, stores_in_flight * n)
+        stores = make_cache(stores_in_flight * n, **kw)
         fresh = [0]
 
         def load() -> None:
@@ -99,7 +94,10 @@ def main() -> None:
             assert got == n, f"store copied {got} of {n} pages"
             stores.forget("w")
 
-        return [(f"hicache load (H2D), {path}", load, loads), (f"hicache store (D2H), {path}", store, stores)]
+        return [
+            (f"hicache load (H2D), {label}", load, loads),
+            (f"hicache store (D2H), {label}", store, stores),
+        ]
 
     pinned = torch.empty(batch_bytes, dtype=torch.uint8).pin_memory()
     dev_buf = torch.empty(batch_bytes, dtype=torch.uint8, device=dev)
@@ -112,34 +110,46 @@ def main() -> None:
         with torch.cuda.stream(side):
             pinned.copy_(dev_buf, non_blocking=True)
 
-    runs: list[tuple[str, Callable[[], None], hicache.HostPrefixCache | None]] = [
-        *variants(16 << 20),
-        *variants(0),
-        ("cudaMemcpyAsync H2D", dma_h2d, None),
-        ("cudaMemcpyAsync D2H", dma_d2h, None),
+    def dma_runs() -> list[tuple[str, Callable[[], None], hicache.HostPrefixCache | None]]:
+        return [("cudaMemcpyAsync H2D", dma_h2d, None), ("cudaMemcpyAsync D2H", dma_d2h, None)]
+
+    # Each group's caches (up to 18 GiB of pinned memory) live only while the group runs.
+    groups: list[Callable[[], list[tuple[str, Callable[[], None], hicache.HostPrefixCache | None]]]] = [
+        lambda: variants("staged (default: 2 windows)"),
+        lambda: variants("staged, 8 windows", cuda_staging_windows=8),
+        lambda: variants("staged, priority stream", cuda_staging_priority=True),
+        lambda: variants(
+            "staged, priority stream, 8 windows", cuda_staging_windows=8, cuda_staging_priority=True
+        ),
+        lambda: variants("kernel", cuda_staging_bytes=0),
+        dma_runs,
     ]
     rows = []
-    for name, fn, cache in runs:
-        copy_alone = timed(side, fn, 10)
+    for group in groups:
+        for name, fn, cache in group():
+            copy_alone = timed(side, fn, 10)
+            torch.cuda.synchronize()
+            if cache is not None:
+                cache.poll()
+            per_mm_alone = matmuls()
+            k = max(4, int(args.matmuls * per_mm_alone / copy_alone) + 4)  # copies outlast the matmuls
+            if "store" in name:
+                k = min(k, stores_in_flight - 1)
+            c0, c1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            c0.record(side)
+            for _ in range(k):
+                fn()
+            c1.record(side)
+            per_mm = matmuls()
+            copy_bw = k * batch_bytes / (c0.elapsed_time(c1) * 1e6)
+            if cache is not None:
+                cache.poll()
+            after = matmuls()
+            base = (per_mm_alone + after) / 2
+            rows.append((name, batch_bytes / (copy_alone * 1e6), copy_bw, base, per_mm / base - 1))
+        fn = cache = None
+        gc.collect()
         torch.cuda.synchronize()
-        if cache is not None:
-            cache.poll()
-        per_mm_alone = matmuls()
-        k = max(4, int(args.matmuls * per_mm_alone / copy_alone) + 4)  # copies outlast the matmuls
-        if "store" in name:
-            k = min(k, stores_in_flight - 1)
-        c0, c1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        c0.record(side)
-        for _ in range(k):
-            fn()
-        c1.record(side)
-        per_mm = matmuls()
-        copy_bw = k * batch_bytes / (c0.elapsed_time(c1) * 1e6)
-        if cache is not None:
-            cache.poll()
-        after = matmuls()
-        base = (per_mm_alone + after) / 2
-        rows.append((name, batch_bytes / (copy_alone * 1e6), copy_bw, base, per_mm / base - 1))
     flops = 2 * 8192**3 / (rows[0][3] * 1e-3) / 1e12
     print(
         f"bf16 8192^3 matmul alone: {rows[0][3]:.3f} ms ({flops:.0f} TFLOP/s); copies of "

@@ -83,7 +83,7 @@ sanitize)
   ;;
 bench)
   run bench-transfer build/gpu/hicache_bench_transfer --pool-gib ${POOL_GIB:-32} --out "$OUT/bench_transfer.md"
-  run bench-matmul bash -c "for cb in 4 1; do python3 bench/transfer_matmul.py --cuda-blocks \$cb; echo; done"
+  run bench-matmul python3 bench/transfer_matmul.py --cuda-blocks 4
   cp "$LOGS/bench-matmul.log" "$OUT/bench_matmul.md"
   ;;
 demo)

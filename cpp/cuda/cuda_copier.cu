@@ -126,7 +126,9 @@ class CudaCopier final : public Copier {
     staging_refused_ = false;
     plan_.reset();
     if (!use_dma_ && opt_.staging_bytes > 0 && layout.page_bytes() >= opt_.staging_min_page_bytes) {
-      plan_ = std::make_unique<StagingPlan>(layout, opt_.staging_bytes / 2, vec_, opt_.threads);
+      plan_ = std::make_unique<StagingPlan>(
+          layout, opt_.staging_bytes / static_cast<std::size_t>(opt_.staging_windows), vec_,
+          opt_.threads);
     }
   }
 
@@ -190,7 +192,8 @@ class CudaCopier final : public Copier {
     }
     if (lanes.size() < kMaxLanes && !staging_refused_) {
       try {
-        lanes.emplace_back(s, std::make_unique<StagingLane>(*plan_, 2));
+        lanes.emplace_back(
+            s, std::make_unique<StagingLane>(*plan_, opt_.staging_windows, opt_.staging_priority));
         return lanes.back().second.get();
       } catch (const Error&) {
         cudaGetLastError();  // clear the allocation failure
@@ -266,6 +269,9 @@ std::shared_ptr<Copier> make_cuda_copier(int device, CudaCopierOptions options) 
   }
   if (options.max_blocks < 1 || options.max_blocks > 1024) {
     throw std::invalid_argument("cuda_blocks must be in [1, 1024]");
+  }
+  if (options.staging_windows < 2 || options.staging_windows > 64) {
+    throw std::invalid_argument("CUDA staging windows must be in [2, 64]");
   }
   if (options.threads < 32 || options.threads > 1024 || options.threads % 32 != 0) {
     throw std::invalid_argument("CUDA copier threads must be a multiple of 32 in [32, 1024]");

@@ -41,11 +41,18 @@ StagingPlan::StagingPlan(const PageLayout& layout, std::size_t window_target, in
   window_bytes = (window_bytes + 255) / 256 * 256;
 }
 
-StagingLane::StagingLane(const StagingPlan& plan, int windows) : plan_(plan), windows_(windows) {
+StagingLane::StagingLane(const StagingPlan& plan, int windows, bool priority_kernels)
+    : plan_(plan), windows_(windows) {
   HICACHE_CUDA_CHECK(cudaMalloc(&buffer_, plan.window_bytes * static_cast<std::size_t>(windows)));
   try {
     // Non-blocking: the legacy default stream must not serialize with our DMA.
     HICACHE_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+    if (priority_kernels) {
+      int least = 0, greatest = 0;
+      HICACHE_CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&least, &greatest));
+      HICACHE_CUDA_CHECK(cudaStreamCreateWithPriority(&kernels_, cudaStreamNonBlocking, greatest));
+      HICACHE_CUDA_CHECK(cudaEventCreateWithFlags(&caller_ready_, cudaEventDisableTiming));
+    }
     for (int w = 0; w < windows; ++w) {
       for (auto* list : {&dma_done_, &kernel_done_}) {
         cudaEvent_t e;
@@ -56,6 +63,8 @@ StagingLane::StagingLane(const StagingPlan& plan, int windows) : plan_(plan), wi
   } catch (...) {
     for (auto* list : {&dma_done_, &kernel_done_})
       for (cudaEvent_t e : *list) cudaEventDestroy(e);
+    if (caller_ready_ != nullptr) cudaEventDestroy(caller_ready_);
+    if (kernels_ != nullptr) cudaStreamDestroy(kernels_);
     if (stream_ != nullptr) cudaStreamDestroy(stream_);
     cudaFree(buffer_);
     throw;
@@ -64,8 +73,11 @@ StagingLane::StagingLane(const StagingPlan& plan, int windows) : plan_(plan), wi
 
 StagingLane::~StagingLane() {
   cudaStreamSynchronize(stream_);
+  if (kernels_ != nullptr) cudaStreamSynchronize(kernels_);
   for (auto* list : {&dma_done_, &kernel_done_})
     for (cudaEvent_t e : *list) cudaEventDestroy(e);
+  if (caller_ready_ != nullptr) cudaEventDestroy(caller_ready_);
+  if (kernels_ != nullptr) cudaStreamDestroy(kernels_);
   cudaStreamDestroy(stream_);
   cudaFree(buffer_);
 }
@@ -97,6 +109,13 @@ void StagingLane::dma(Direction dir, std::span<const PageMove> moves, const Stag
 void StagingLane::copy(Direction dir, std::span<const PageMove> moves, int max_blocks,
                        cudaStream_t caller) {
   std::lock_guard<std::mutex> guard(mu_);
+  // Where the gathers/scatters run: the caller's stream, or ours after the caller's earlier work.
+  cudaStream_t ks = caller;
+  if (kernels_ != nullptr) {
+    HICACHE_CUDA_CHECK(cudaEventRecord(caller_ready_, caller));
+    HICACHE_CUDA_CHECK(cudaStreamWaitEvent(kernels_, caller_ready_, 0));
+    ks = kernels_;
+  }
   const bool one_group = plan_.groups.size() == 1;
   const std::size_t step = one_group ? plan_.pages_per_window : 1;
   int last = -1;
@@ -116,13 +135,13 @@ void StagingLane::copy(Direction dir, std::span<const PageMove> moves, int max_b
         HICACHE_CUDA_CHECK(cudaStreamWaitEvent(stream_, kernel_done_[w], 0));  // window free
         dma(dir, pages, g, window);
         HICACHE_CUDA_CHECK(cudaEventRecord(dma_done_[w], stream_));
-        HICACHE_CUDA_CHECK(cudaStreamWaitEvent(caller, dma_done_[w], 0));
-        g.table->launch(dir, staged_, max_blocks, caller);
-        HICACHE_CUDA_CHECK(cudaEventRecord(kernel_done_[w], caller));
+        HICACHE_CUDA_CHECK(cudaStreamWaitEvent(ks, dma_done_[w], 0));
+        g.table->launch(dir, staged_, max_blocks, ks);
+        HICACHE_CUDA_CHECK(cudaEventRecord(kernel_done_[w], ks));
       } else {
-        HICACHE_CUDA_CHECK(cudaStreamWaitEvent(caller, dma_done_[w], 0));  // window free
-        g.table->launch(dir, staged_, max_blocks, caller);
-        HICACHE_CUDA_CHECK(cudaEventRecord(kernel_done_[w], caller));
+        HICACHE_CUDA_CHECK(cudaStreamWaitEvent(ks, dma_done_[w], 0));  // window free
+        g.table->launch(dir, staged_, max_blocks, ks);
+        HICACHE_CUDA_CHECK(cudaEventRecord(kernel_done_[w], ks));
         HICACHE_CUDA_CHECK(cudaStreamWaitEvent(stream_, kernel_done_[w], 0));
         dma(dir, pages, g, window);
         HICACHE_CUDA_CHECK(cudaEventRecord(dma_done_[w], stream_));
@@ -133,6 +152,10 @@ void StagingLane::copy(Direction dir, std::span<const PageMove> moves, int max_b
   // the earlier ones, and a fence on the caller's stream after this wait covers them all.
   if (dir == Direction::kToHost && last >= 0) {
     HICACHE_CUDA_CHECK(cudaStreamWaitEvent(caller, dma_done_[last], 0));
+  }
+  // A load on our stream: the caller waits for its last scatter (our stream runs in order).
+  if (dir == Direction::kToDevice && last >= 0 && ks != caller) {
+    HICACHE_CUDA_CHECK(cudaStreamWaitEvent(caller, kernel_done_[last], 0));
   }
 }
 

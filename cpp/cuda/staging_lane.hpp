@@ -14,6 +14,9 @@
 // each window's reuse between the DMA stream and the caller's stream. The caller's stream sees
 // the copy as if it ran there: a load's last scatter runs on it, and a store ends with a wait on
 // its last DMA, so a fence recorded on the caller's stream after copy() covers everything.
+// With priority_kernels the gathers/scatters run on the lane's own stream, after an event that
+// marks the caller's earlier work, and the caller waits for the last of them (loads) or the
+// last DMA (stores): the same ordering, seen from the caller's stream.
 
 #include <cuda_runtime.h>
 
@@ -49,8 +52,11 @@ struct StagingPlan {
 class StagingLane {
  public:
   /// Allocates `windows` windows of plan.window_bytes on the current device and a DMA stream.
+  /// @param priority_kernels run the gathers/scatters on a stream of the lane's own, of the
+  ///        greatest priority, instead of the caller's: when compute holds the SMs, their CTAs go
+  ///        first as SMs free up, so the DMA engine is not left waiting for a window.
   /// @throws hicache::Error if the device memory cannot be had.
-  StagingLane(const StagingPlan& plan, int windows);
+  StagingLane(const StagingPlan& plan, int windows, bool priority_kernels);
   ~StagingLane();
   StagingLane(const StagingLane&) = delete;
   StagingLane& operator=(const StagingLane&) = delete;
@@ -68,7 +74,9 @@ class StagingLane {
   char* buffer_ = nullptr;
   int windows_;
   int next_ = 0;
-  cudaStream_t stream_ = nullptr;
+  cudaStream_t stream_ = nullptr;         // DMA
+  cudaStream_t kernels_ = nullptr;        // priority_kernels only
+  cudaEvent_t caller_ready_ = nullptr;    // priority_kernels: the caller's work before the copy
   std::vector<cudaEvent_t> dma_done_;     // per window: its last DMA
   std::vector<cudaEvent_t> kernel_done_;  // per window: its last gather or scatter
   std::vector<PageMove> staged_;          // scratch: moves rewritten to staging addresses

@@ -43,6 +43,10 @@ class HostPrefixCache:
             layer-major pools cross PCIe whole on the DMA engines (pages of 512 KiB or more
             whose chunks are under 1 MiB); the kernel scatters them at HBM speed. 0: the kernel
             copies across PCIe directly (~0.92 of the DMA rate on an H200).
+        cuda_staging_windows: windows the staging is cut into (2 to 64).
+        cuda_staging_priority: experimental: staged gathers/scatters on a greatest-priority
+            stream of the cache's own, ordered after the caller's stream, so that beside compute
+            their CTAs go first.
         pool_chunk_bytes: size of one host allocation.
         pin_upfront: CUDA only. False (default): pin the first chunk now and each next one on a
             background thread as the pool fills (stores that outrun the pinning are skipped and
@@ -69,6 +73,8 @@ class HostPrefixCache:
         copier: CopierKind = "auto",
         cuda_blocks: int = 4,
         cuda_staging_bytes: int = 16 << 20,
+        cuda_staging_windows: int = 2,
+        cuda_staging_priority: bool = False,
         pool_chunk_bytes: int = 1 << 30,
         pin_upfront: bool = False,
         eviction: Eviction = "leaf-first",
@@ -88,6 +94,8 @@ class HostPrefixCache:
             raise ValueError(f"cuda_blocks must be in [1, 1024], not {cuda_blocks}")
         if cuda_staging_bytes < 0:
             raise ValueError(f"cuda_staging_bytes must be >= 0, not {cuda_staging_bytes}")
+        if not 2 <= cuda_staging_windows <= 64:
+            raise ValueError(f"cuda_staging_windows must be in [2, 64], not {cuda_staging_windows}")
         salt_bytes = _arrays.as_salt(salt)
         assert salt_bytes is not None
         self._segments = segs
@@ -106,6 +114,8 @@ class HostPrefixCache:
             copier,
             cuda_blocks,
             cuda_staging_bytes,
+            cuda_staging_windows,
+            cuda_staging_priority,
             pin_upfront,
             eviction,
         )

@@ -80,10 +80,13 @@ const hicache::Device kGpu{hicache::DeviceKind::kCuda, 0};
 // No DMA batch, no staging: the gather/scatter kernel across PCIe.
 const hicache::CudaCopierOptions kKernelOnly{4, 1024, 0, 0};
 
-hicache::CudaCopierOptions staged(std::size_t staging_bytes) {
+hicache::CudaCopierOptions staged(std::size_t staging_bytes, int windows = 2,
+                                  bool priority = false) {
   hicache::CudaCopierOptions o;
   o.staging_bytes = staging_bytes;
   o.staging_min_page_bytes = 1;
+  o.staging_windows = windows;
+  o.staging_priority = priority;
   return o;
 }
 
@@ -202,6 +205,10 @@ TEST(CudaCopier, StagedPathRoundTripsThroughEveryWindowShape) {
     expect_copier_round_trip(pool, staged(staging), 7, nullptr, nullptr);
   }
   expect_copier_round_trip(pool, kKernelOnly, 19, s, s);
+  // Five windows; the gathers/scatters on the copier's own high-priority stream.
+  expect_copier_round_trip(pool, staged(640 << 10, 5), 19, s, s);
+  expect_copier_round_trip(pool, staged(256 << 10, 2, true), 19, s, s);
+  expect_copier_round_trip(pool, staged(256 << 10, 3, true), 7, nullptr, nullptr);
   // Segments of unequal sizes, one larger than a window: the window widens to hold it.
   DevicePool uneven(24, {12 << 10, 50 << 10, 6 << 10, 20 << 10});
   expect_copier_round_trip(uneven, staged(64 << 10), 11, s, s);
@@ -223,73 +230,126 @@ TEST(CudaCopier, StagedStoreAndLoadAtOnceOnTwoStreams) {
   CK(cudaStreamCreateWithFlags(&b, cudaStreamNonBlocking));
   DevicePool pool(64, std::vector<std::int64_t>(8, 16 << 10));  // 128 KiB pages
   hicache::PageLayout layout(pool.segments(), kGpu);
-  auto copier = hicache::make_cuda_copier(0, staged(512 << 10));  // two pages a window
-  copier->bind(layout);
-  hicache::HostPool host(layout.page_bytes(), 32, std::size_t{64} << 20, copier->host_allocator());
-  std::vector<hicache::PageMove> first, reload, second;
-  for (std::int64_t i = 0; i < 16; ++i) {
-    first.push_back({i, host.slot(i)});
-    reload.push_back({32 + i, host.slot(i)});
-    second.push_back({16 + i, host.slot(16 + i)});
-  }
-  copier->copy_pages(hicache::Direction::kToHost, layout, first, a);
-  copier->record(a)->wait();
-  // Now, at the same time: pages 16..31 go out on stream a while slots 0..15 come back on b.
-  for (int round = 0; round < 3; ++round) {
-    for (std::int64_t i = 0; i < 16; ++i) pool.clear(32 + i);
-    copier->copy_pages(hicache::Direction::kToHost, layout, second, a);
-    copier->copy_pages(hicache::Direction::kToDevice, layout, reload, b);
-    auto fa = copier->record(a);
-    auto fb = copier->record(b);
-    fa->wait();
-    fb->wait();
+  for (bool priority : {false, true}) {
+    SCOPED_TRACE(priority);
+    auto copier =
+        hicache::make_cuda_copier(0, staged(512 << 10, 2, priority));  // two pages a window
+    copier->bind(layout);
+    hicache::HostPool host(layout.page_bytes(), 32, std::size_t{64} << 20,
+                           copier->host_allocator());
+    std::vector<hicache::PageMove> first, reload, second;
     for (std::int64_t i = 0; i < 16; ++i) {
-      ASSERT_EQ(pool.page(32 + i), pool.page(i)) << "round " << round << " page " << i;
-      const auto expect = pool.page(16 + i);
-      ASSERT_TRUE(std::equal(expect.begin(), expect.end(),
-                             reinterpret_cast<const std::uint8_t*>(host.slot(16 + i))));
+      first.push_back({i, host.slot(i)});
+      reload.push_back({32 + i, host.slot(i)});
+      second.push_back({16 + i, host.slot(16 + i)});
+    }
+    copier->copy_pages(hicache::Direction::kToHost, layout, first, a);
+    copier->record(a)->wait();
+    // Now, at the same time: pages 16..31 go out on stream a while slots 0..15 come back on b.
+    for (int round = 0; round < 3; ++round) {
+      for (std::int64_t i = 0; i < 16; ++i) pool.clear(32 + i);
+      copier->copy_pages(hicache::Direction::kToHost, layout, second, a);
+      copier->copy_pages(hicache::Direction::kToDevice, layout, reload, b);
+      auto fa = copier->record(a);
+      auto fb = copier->record(b);
+      fa->wait();
+      fb->wait();
+      for (std::int64_t i = 0; i < 16; ++i) {
+        ASSERT_EQ(pool.page(32 + i), pool.page(i)) << "round " << round << " page " << i;
+        const auto expect = pool.page(16 + i);
+        ASSERT_TRUE(std::equal(expect.begin(), expect.end(),
+                               reinterpret_cast<const std::uint8_t*>(host.slot(16 + i))));
+      }
     }
   }
   cudaStreamDestroy(a);
   cudaStreamDestroy(b);
 }
 
+TEST(CudaCopier, StagedStoresReadTheBlocksAfterTheEnginesEarlierWork) {
+  // The engine writes its blocks (behind a long kernel) and then stores them on the same
+  // stream: what reaches the host is what it wrote, wherever the gathers run.
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  cudaStream_t s;
+  CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  DevicePool pool(16, std::vector<std::int64_t>(8, 16 << 10));
+  hicache::PageLayout layout(pool.segments(), kGpu);
+  for (bool priority : {false, true}) {
+    SCOPED_TRACE(priority);
+    auto copier = hicache::make_cuda_copier(0, staged(256 << 10, 2, priority));
+    copier->bind(layout);
+    hicache::HostPool host(layout.page_bytes(), 4, std::size_t{4} << 20, copier->host_allocator());
+    std::vector<hicache::PageMove> out;
+    for (std::int64_t i = 0; i < 4; ++i) out.push_back({i, host.slot(i)});
+    const auto value = static_cast<int>(priority ? 0x5A : 0x3C);
+    spin<<<1, 1, 0, s>>>(kSpinCycles / 4);
+    CK(cudaGetLastError());
+    for (const auto& m : out) {
+      for (std::size_t seg = 0; seg < layout.segments().size(); ++seg) {
+        CK(cudaMemsetAsync(layout.block_address(seg, m.block), value,
+                           static_cast<std::size_t>(layout.segments()[seg].block_bytes), s));
+      }
+    }
+    copier->copy_pages(hicache::Direction::kToHost, layout, out, s);
+    copier->record(s)->wait();
+    for (const auto& m : out) {
+      const auto* p = reinterpret_cast<const std::uint8_t*>(m.host);
+      EXPECT_TRUE(
+          std::all_of(p, p + layout.page_bytes(), [&](std::uint8_t b) { return b == value; }));
+    }
+  }
+  cudaStreamDestroy(s);
+}
+
 TEST(CudaCopier, StagedLoadsQueuedBehindABusyStreamDoNotHoldUpOtherStreams) {
-  // A load on a stream stuck behind a long kernel holds its staging windows; a load on another
-  // stream, enqueued later, has its own and completes first; both are right.
+  // A load on a stream stuck behind a long kernel holds its staging windows and lands after the
+  // work queued before it; a load on another stream, enqueued later, has its own staging and
+  // completes first; both are right.
   if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
   cudaStream_t busy, free_stream;
   CK(cudaStreamCreateWithFlags(&busy, cudaStreamNonBlocking));
   CK(cudaStreamCreateWithFlags(&free_stream, cudaStreamNonBlocking));
   DevicePool pool(64, std::vector<std::int64_t>(8, 16 << 10));
   hicache::PageLayout layout(pool.segments(), kGpu);
-  auto copier = hicache::make_cuda_copier(0, staged(256 << 10));  // one page a window
-  copier->bind(layout);
-  hicache::HostPool host(layout.page_bytes(), 16, std::size_t{64} << 20, copier->host_allocator());
-  std::vector<hicache::PageMove> out, to_busy, to_free;
-  for (std::int64_t i = 0; i < 8; ++i) {
-    out.push_back({i, host.slot(i)});
-    to_busy.push_back({16 + i, host.slot(i)});
-    to_free.push_back({32 + i, host.slot(i)});
-  }
-  copier->copy_pages(hicache::Direction::kToHost, layout, out, free_stream);
-  copier->record(free_stream)->wait();
-  for (std::int64_t i = 0; i < 8; ++i) {
-    pool.clear(16 + i);
-    pool.clear(32 + i);
-  }
-  spin<<<1, 1, 0, busy>>>(kSpinCycles);
-  CK(cudaGetLastError());
-  copier->copy_pages(hicache::Direction::kToDevice, layout, to_busy, busy);
-  auto on_busy = copier->record(busy);
-  copier->copy_pages(hicache::Direction::kToDevice, layout, to_free, free_stream);
-  auto on_free = copier->record(free_stream);
-  on_free->wait();
-  EXPECT_FALSE(on_busy->done()) << "the load on the free stream waited for the busy one";
-  on_busy->wait();
-  for (std::int64_t i = 0; i < 8; ++i) {
-    EXPECT_EQ(pool.page(16 + i), pool.page(i)) << "busy stream, page " << i;
-    EXPECT_EQ(pool.page(32 + i), pool.page(i)) << "free stream, page " << i;
+  for (bool priority : {false, true}) {
+    SCOPED_TRACE(priority);
+    auto copier = hicache::make_cuda_copier(0, staged(256 << 10, 2, priority));  // a page a window
+    copier->bind(layout);
+    hicache::HostPool host(layout.page_bytes(), 16, std::size_t{64} << 20,
+                           copier->host_allocator());
+    std::vector<hicache::PageMove> out, to_busy, to_free;
+    for (std::int64_t i = 0; i < 8; ++i) {
+      out.push_back({i, host.slot(i)});
+      to_busy.push_back({16 + i, host.slot(i)});
+      to_free.push_back({32 + i, host.slot(i)});
+    }
+    copier->copy_pages(hicache::Direction::kToHost, layout, out, free_stream);
+    copier->record(free_stream)->wait();
+    for (std::int64_t i = 0; i < 8; ++i) {
+      pool.clear(16 + i);
+      pool.clear(32 + i);
+    }
+    spin<<<1, 1, 0, busy>>>(kSpinCycles);
+    CK(cudaGetLastError());
+    // Earlier work of the engine on the same blocks, queued behind the spin: the load must land
+    // after it, on whatever stream its scatter runs.
+    for (const auto& m : to_busy) {
+      for (std::size_t seg = 0; seg < layout.segments().size(); ++seg) {
+        CK(cudaMemsetAsync(layout.block_address(seg, m.block), 0xEE,
+                           static_cast<std::size_t>(layout.segments()[seg].block_bytes), busy));
+      }
+    }
+    copier->copy_pages(hicache::Direction::kToDevice, layout, to_busy, busy);
+    auto on_busy = copier->record(busy);
+    copier->copy_pages(hicache::Direction::kToDevice, layout, to_free, free_stream);
+    auto on_free = copier->record(free_stream);
+    on_free->wait();
+    EXPECT_FALSE(on_busy->done()) << "the load on the free stream waited for the busy one";
+    on_busy->wait();
+    for (std::int64_t i = 0; i < 8; ++i) {
+      EXPECT_EQ(pool.page(16 + i), pool.page(i)) << "busy stream, page " << i;
+      EXPECT_EQ(pool.page(32 + i), pool.page(i)) << "free stream, page " << i;
+    }
   }
   cudaStreamDestroy(busy);
   cudaStreamDestroy(free_stream);

@@ -31,12 +31,24 @@ def pages(segments: list[torch.Tensor], blocks: list[int]) -> list[torch.Tensor]
     ],
     ids=["page-major", "layer-major", "kv-views"],
 )
-# Staging: the default (layer-major's 2 MiB pages are staged, 8 pages a window); windows of a
-# quarter page (segment groups); none (the kernel across PCIe).
-@pytest.mark.parametrize("staging", [16 << 20, 1 << 20, 0], ids=["staged", "quarter-window", "kernel"])
-def test_random_bytes_round_trip_on_the_gpu(make, staging: int) -> None:
+# Staging: the default (layer-major's 2 MiB pages are staged, 4 pages a window); windows of a
+# quarter page (segment groups); four windows with the gathers/scatters on the cache's own
+# priority stream; none (the kernel across PCIe).
+@pytest.mark.parametrize(
+    "staging,windows,priority",
+    [(16 << 20, 2, False), (1 << 20, 2, False), (16 << 20, 4, True), (0, 2, False)],
+    ids=["staged", "quarter-window", "priority-4-windows", "kernel"],
+)
+def test_random_bytes_round_trip_on_the_gpu(make, staging: int, windows: int, priority: bool) -> None:
     segments = [random_(s) for s in make()]
-    cache = hicache.HostPrefixCache(segments, block_tokens=B, capacity_pages=32, cuda_staging_bytes=staging)
+    cache = hicache.HostPrefixCache(
+        segments,
+        block_tokens=B,
+        capacity_pages=32,
+        cuda_staging_bytes=staging,
+        cuda_staging_windows=windows,
+        cuda_staging_priority=priority,
+    )
     # Layer-major: 8 chunks of 256 KiB, 2 MiB pages; the others have 128 KiB pages.
     staged = staging > 0 and sum(s[0].numel() * s.element_size() for s in segments) >= 512 << 10
     assert cache.copy_path == ("staged" if staged else "kernel")

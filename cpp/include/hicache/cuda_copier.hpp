@@ -17,11 +17,11 @@ struct CudaCopierOptions {
   /// When every segment's block is at least this large, pages move on the DMA engines
   /// (cudaMemcpyBatchAsync) instead of the kernel: measured on an H200, DMA reaches 0.99 of the
   /// contiguous rate on 4.4 MB chunks where the kernel reaches 0.92-0.94, but only 0.91 on
-  /// 256 KiB chunks and 0.07-0.39 on 16 KiB ones. 0 disables DMA.
+  /// 256 KiB chunks and 0.07-0.54 on 16 KiB ones. 0 disables DMA.
   std::size_t dma_min_chunk_bytes = std::size_t{1} << 20;
   /// Device memory, per direction, through which pages with smaller chunks cross PCIe: each
-  /// host page moves whole on the DMA engines into one of two staging windows of half this
-  /// size, and the kernel scatters it to the engine's blocks at HBM speed (or gathers, for
+  /// host page moves whole on the DMA engines into one of `staging_windows` windows that share
+  /// this size, and the kernel scatters it to the engine's blocks at HBM speed (or gathers, for
   /// stores). Each stream that stores or loads gets its own staging (up to 4 streams a direction,
   /// then they share), allocated at its first use: the copier holds staging_bytes of device
   /// memory per (stream, direction) in use. 0: no staging, the kernel copies across PCIe.
@@ -29,6 +29,13 @@ struct CudaCopierOptions {
   /// Pages smaller than this are not staged: the DMA engines lose to the kernel on small pieces
   /// (host slots are not adjacent in general, so each page is one DMA piece).
   std::size_t staging_min_page_bytes = std::size_t{512} << 10;
+  /// Windows the staging is cut into (2 to 64): more let the DMA engines run further ahead of
+  /// gathers/scatters that wait for SMs.
+  int staging_windows = 2;
+  /// Run the gathers/scatters on a greatest-priority stream of the copier's own (ordered after
+  /// the caller's earlier work by an event) instead of the caller's stream, so that beside
+  /// compute their CTAs go first as SMs free up. Experimental: not measured yet.
+  bool staging_priority = false;
 };
 
 /// Whether this build has the CUDA copier and a CUDA device is visible.
