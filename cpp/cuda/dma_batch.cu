@@ -18,7 +18,7 @@ bool batch_api_enabled() {
 }  // namespace
 
 void copy_batch(void** dst, void** src, std::size_t* sizes, std::size_t n, cudaStream_t stream) {
-  if (n == 0) return;  // the batch API refuses an empty batch
+  if (n == 0) return;  // nothing to submit (and a count of 0 is not worth asking the API about)
   if (n == 1 || !batch_api_enabled()) {
     for (std::size_t i = 0; i < n; ++i) {
       HICACHE_CUDA_CHECK(cudaMemcpyAsync(dst[i], src[i], sizes[i], cudaMemcpyDefault, stream));
