@@ -38,14 +38,21 @@ def _demo(args: argparse.Namespace) -> int:
     longest = args.first_tokens * 3 // 2 + (args.turns - 1) * (args.user_tokens * 3 // 2 + args.new_tokens)
     blocks = (longest + args.new_tokens) // args.block_tokens + 2
     log = None if args.json else (lambda s: (sys.stderr.write(s), sys.stderr.flush()))
-    plain = PagedEngine(model, num_blocks=blocks, block_tokens=args.block_tokens)
-    cached = PagedEngine(
-        model,
-        num_blocks=blocks,
-        block_tokens=args.block_tokens,
-        cache_pages=args.cache_pages,
-        measure_load=device.type == "cuda",
-    )
+    try:
+        plain = PagedEngine(
+            model, num_blocks=blocks, block_tokens=args.block_tokens, prefill_chunk=args.prefill_chunk
+        )
+        cached = PagedEngine(
+            model,
+            num_blocks=blocks,
+            block_tokens=args.block_tokens,
+            cache_pages=args.cache_pages,
+            measure_load=device.type == "cuda",
+            prefill_chunk=args.prefill_chunk,
+        )
+    except ValueError as e:
+        print(f"hicache demo: {e}", file=sys.stderr)
+        return 2
     run_workload(plain, convs[:1], args.new_tokens, "warm-up")  # kernels, allocator
     t0 = time.perf_counter()
     without = run_workload(plain, convs, args.new_tokens, "without cache", log)
@@ -58,6 +65,7 @@ def _demo(args: argparse.Namespace) -> int:
         "hybrid_window": cfg.window,
         "device": str(device),
         "copy_path": cached.cache.copy_path if cached.cache else None,
+        "prefill_chunk": cached.C,
         **dataclasses.asdict(summary),
         "cache": cached.cache.stats_dict() if cached.cache else {},
         "seconds": round(elapsed, 1),
@@ -70,7 +78,7 @@ def _demo(args: argparse.Namespace) -> int:
         path = cached.cache.copy_path if cached.cache else "none"
         print(
             f"\nhicache demo: {args.model} model ({kind}) on {device}, {args.block_tokens}-token blocks, "
-            f"{path} copies\n"
+            f"{cached.C}-token prefill chunks, {path} copies\n"
         )
         print("|                     | without cache | with hicache |")
         print("| ------------------- | ------------- | ------------ |")
@@ -138,6 +146,13 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--user-tokens", type=int, default=150, help="mean length of each later user message")
     d.add_argument("--new-tokens", type=int, default=8, help="tokens generated per request")
     d.add_argument("--block-tokens", type=int, default=128)
+    d.add_argument(
+        "--prefill-chunk",
+        type=int,
+        default=None,
+        help="prefill chunk in tokens, a multiple of --block-tokens (default: one block); larger is "
+        "faster and leaves up to a chunk of each prompt uncached (plain models only)",
+    )
     d.add_argument("--cache-pages", type=int, default=4096, help="host pages of the cache")
     d.add_argument("--device", default="auto", help="auto, cpu or cuda")
     d.add_argument("--seed", type=int, default=0)

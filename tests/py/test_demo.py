@@ -46,6 +46,40 @@ def test_generated_tokens_are_identical_with_and_without_the_cache(
     assert len({tuple(r.generated) for r in without}) > 40
 
 
+@pytest.mark.parametrize(
+    "device,dtype",
+    [("cpu", torch.float32), pytest.param("cuda", torch.bfloat16, marks=needs_gpu)],
+    ids=["cpu", "cuda-bf16"],
+)
+def test_larger_prefill_chunks_are_still_identical_and_hit_on_chunk_boundaries(
+    device: str, dtype: torch.dtype
+) -> None:
+    cfg = PRESETS["tiny"]
+    model = TinyTransformer(cfg, torch.device(device), dtype, seed=3)
+    convs = make_conversations(6, 9, cfg.vocab, first_tokens=200, user_tokens=50, seed=3)  # 54 requests
+    plain = PagedEngine(model, num_blocks=96, block_tokens=16, prefill_chunk=64)
+    cached = PagedEngine(model, num_blocks=96, block_tokens=16, cache_pages=600, prefill_chunk=64)
+    without = run_workload(plain, convs, 6, "without")
+    with_cache = run_workload(cached, convs, 6, "with")
+    s = summarize(with_cache, without)
+    assert s.tokens_identical, f"{s.mismatched_requests} requests generated other tokens"
+    assert s.cached_tokens > s.prompt_tokens // 3
+    assert all(r.cached_tokens % 64 == 0 for r in with_cache)
+    assert any(r.cached_tokens > 0 for r in with_cache)
+    assert len({tuple(r.generated) for r in without}) > 40
+
+
+def test_prefill_chunks_must_be_whole_blocks_and_plain() -> None:
+    model = TinyTransformer(PRESETS["tiny"], torch.device("cpu"), torch.float32, seed=0)
+    with pytest.raises(ValueError, match="multiple of block_tokens"):
+        PagedEngine(model, num_blocks=8, block_tokens=16, prefill_chunk=24)
+    hybrid = TinyTransformer(
+        dataclasses.replace(PRESETS["tiny"], window=8), torch.device("cpu"), torch.float32
+    )
+    with pytest.raises(ValueError, match="hybrid"):
+        PagedEngine(hybrid, num_blocks=8, block_tokens=16, prefill_chunk=32)
+
+
 def test_hybrid_hits_snap_to_a_boundary_with_a_stored_state() -> None:
     cfg = dataclasses.replace(PRESETS["tiny"], window=16)
     model = TinyTransformer(cfg, torch.device("cpu"), torch.float32, seed=2)

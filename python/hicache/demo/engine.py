@@ -6,10 +6,14 @@ dimension = block id; 128-token blocks by default) addressed through per-request
 Sliding-window layers keep, per request, a ring of the last ``window`` tokens' K and V: that ring
 is the model's *state*, exported to hicache at block boundaries and imported on a hit.
 
-Prefill runs block by block (chunks aligned to block boundaries). A request resumed from the
-cache at a block boundary therefore performs exactly the computations, on exactly the same inputs,
-as a full recompute does for every token after the hit, so its outputs are bit-identical: this is
-what lets the demo compare generated tokens with and without the cache.
+Prefill runs in chunks of ``prefill_chunk`` tokens (a multiple of the block; one block by
+default) aligned to multiples of it. Only whole chunks are stored and a hit is used up to a chunk
+boundary, so every cached token was computed in a full chunk, exactly as a recompute computes it:
+a resumed request performs the same computations on the same inputs as a full recompute for
+every token after the hit (matrix products can depend on how many rows they get, so chunk sizes
+must match too), and its outputs are bit-identical. This is what lets the demo compare generated
+tokens with and without the cache. Larger chunks prefill faster (bigger matrix products) and
+leave up to a chunk of each prompt uncached.
 """
 
 from __future__ import annotations
@@ -58,9 +62,17 @@ class PagedEngine:
         keep_tokens: int = 1,
         cuda_blocks: int = 4,
         measure_load: bool = False,
+        prefill_chunk: int | None = None,
     ) -> None:
         self.model, self.cfg, self.B = model, model.cfg, block_tokens
         cfg, dev, dt = model.cfg, model.device, model.dtype
+        self.C = prefill_chunk or block_tokens
+        if self.C % block_tokens != 0 or self.C < block_tokens:
+            raise ValueError(f"prefill_chunk={self.C} must be a multiple of block_tokens={block_tokens}")
+        if self.C != block_tokens and cfg.window:
+            raise ValueError(
+                "a hybrid model prefills block by block: its states are taken at block boundaries"
+            )
         self.full_layers = [layer for layer in range(cfg.n_layers) if not cfg.is_sliding(layer)]
         self.sliding_layers = [layer for layer in range(cfg.n_layers) if cfg.is_sliding(layer)]
         if not self.full_layers:
@@ -90,11 +102,11 @@ class PagedEngine:
             )
         self.page_bytes = sum(t[0].numel() * t.element_size() for t in self.k_pool.values()) * 2
 
-    # --- the forward pass, one block-aligned chunk at a time --------------------------------
+    # --- the forward pass, one aligned chunk at a time -------------------------------------
 
     def _chunk(self, seq: _Sequence, tokens: torch.Tensor, c0: int) -> torch.Tensor:
-        """Runs tokens at positions [c0, c0 + n) (never across a block boundary); returns the last
-        hidden state. Writes their K/V into the pool and advances the rings."""
+        """Runs tokens at positions [c0, c0 + n) (a prefill chunk, or one decoded token); returns
+        the last hidden state. Writes their K/V into the pool and advances the rings."""
         m, cfg, B = self.model, self.cfg, self.B
         n = tokens.shape[0]
         c1 = c0 + n
@@ -109,9 +121,11 @@ class PagedEngine:
                 h = m.attend_and_mlp(layer, h, q, kk, vv, pos, kpos)
                 seq.ring_k[layer], seq.ring_v[layer] = kk[-cfg.window :], vv[-cfg.window :]
             else:
-                block, off = seq.table[c0 // B], c0 % B
-                self.k_pool[layer][block, off : off + n] = k  # what hicache stores
-                self.v_pool[layer][block, off : off + n] = v
+                for p0 in range(c0, c1, B):  # block by block: what hicache stores
+                    p1 = min(c1, (p0 // B + 1) * B)
+                    block, off = seq.table[p0 // B], p0 % B
+                    self.k_pool[layer][block, off : off + p1 - p0] = k[p0 - c0 : p1 - c0]
+                    self.v_pool[layer][block, off : off + p1 - p0] = v[p0 - c0 : p1 - c0]
                 seq.k_buf[layer][c0:c1] = k
                 seq.v_buf[layer][c0:c1] = v
                 kk, vv = seq.k_buf[layer][:c1], seq.v_buf[layer][:c1]
@@ -157,7 +171,8 @@ class PagedEngine:
         tokens = torch.tensor(prompt, device=m.device)
         self._sync()
         t0 = time.perf_counter()
-        start, load_s = 0, 0.0
+        start, load_s, got = 0, 0.0, 0
+        C = self.C
         if self.cache is not None:
             got = self.cache.try_resume(
                 request_id,
@@ -165,28 +180,30 @@ class PagedEngine:
                 lambda n: seq.table[: n // B],
                 state_out=self.staging if self.state_elems else None,
             )
-            if got > 0:
-                start = got
-                hit = seq.table[: got // B]  # the blocks hicache filled, on this stream
+            # Used up to a chunk boundary (a chain cut by eviction can end inside a chunk): the
+            # rest of the loaded blocks is recomputed, as a recompute would compute it.
+            start = got // C * C
+            if start > 0:
+                hit = seq.table[: start // B]  # the blocks hicache filled, on this stream
                 for layer in self.full_layers:
-                    seq.k_buf[layer][:got] = self.k_pool[layer][hit].reshape(
-                        got, cfg.n_kv_heads, cfg.head_dim
+                    seq.k_buf[layer][:start] = self.k_pool[layer][hit].reshape(
+                        start, cfg.n_kv_heads, cfg.head_dim
                     )
-                    seq.v_buf[layer][:got] = self.v_pool[layer][hit].reshape(
-                        got, cfg.n_kv_heads, cfg.head_dim
+                    seq.v_buf[layer][:start] = self.v_pool[layer][hit].reshape(
+                        start, cfg.n_kv_heads, cfg.head_dim
                     )
                 if self.state_elems:
                     self._import_state(seq)
             if self.measure_load:
                 self._sync()
                 load_s = time.perf_counter() - t0
-        # Prefill the rest, block by block; keep the states store() may ask for.
-        n_full = L // B
+        # Prefill the rest, chunk by chunk; keep the states store() may ask for.
+        n_full = L // C * C // B  # blocks of whole chunks: the only ones stored
         wanted = {(n_full - j) * B for j in range(self.state_lookback)} if self.state_elems else set()
         snapshots: dict[int, torch.Tensor] = {}
         h = None
-        for c0 in range(start, L, B):
-            h = self._chunk(seq, tokens[c0 : min(c0 + B, L)], c0)
+        for c0 in range(start, L, C):
+            h = self._chunk(seq, tokens[c0 : min(c0 + C, L)], c0)
             if c0 + B in wanted and c0 + B <= L:
                 snapshots[c0 + B] = self._snapshot(seq)
         assert h is not None, "keep_tokens >= 1 leaves at least one token to compute"
@@ -201,9 +218,11 @@ class PagedEngine:
                 self.staging.copy_(snapshots[pos])
                 return self.staging
 
-            self.cache.store(
-                request_id, tokens, seq.table[:n_full], state_export=export if self.state_elems else None
-            )
+            stored = tokens if C == B else tokens[: n_full * B]  # whole chunks only
+            if len(stored) > 0:
+                self.cache.store(
+                    request_id, stored, seq.table[:n_full], state_export=export if self.state_elems else None
+                )
         for p in range(L, L + max_new_tokens - 1):
             h = self._chunk(seq, torch.tensor([nxt], device=m.device), p)
             nxt = int(torch.argmax(m.logits(h)))
@@ -213,4 +232,4 @@ class PagedEngine:
             self.cache.poll()
             self.cache.forget(request_id)
         self.free.extend(reversed(seq.table))
-        return RequestResult(request_id, L, start, generated, ttft, load_s, (start // B) * self.page_bytes)
+        return RequestResult(request_id, L, start, generated, ttft, load_s, (got // B) * self.page_bytes)
