@@ -51,19 +51,25 @@ void truncate_key(Key& k, int key_bits) {
 
 std::vector<Key> chain_keys(std::string_view salt, std::span<const std::int32_t> tokens,
                             std::int64_t block_tokens, std::int64_t max_pages, int key_bits) {
+  std::vector<Key> keys;
+  extend_chain_keys(keys, salt, tokens, block_tokens, max_pages, key_bits);
+  return keys;
+}
+
+void extend_chain_keys(std::vector<Key>& keys, std::string_view salt,
+                       std::span<const std::int32_t> tokens, std::int64_t block_tokens,
+                       std::int64_t max_pages, int key_bits) {
   if (block_tokens < 1) throw std::invalid_argument("block_tokens must be >= 1");
   if (key_bits < 1 || key_bits > 128) throw std::invalid_argument("key_bits must be in [1, 128]");
   const auto full = static_cast<std::int64_t>(tokens.size()) / block_tokens;
   const auto n = std::max<std::int64_t>(0, std::min(full, max_pages));
-  std::vector<Key> keys;
   keys.reserve(static_cast<std::size_t>(n));
-  for (std::int64_t i = 0; i < n; ++i) {
+  for (auto i = static_cast<std::int64_t>(keys.size()); i < n; ++i) {
     auto page = tokens.subspan(static_cast<std::size_t>(i * block_tokens),
                                static_cast<std::size_t>(block_tokens));
     keys.push_back(i == 0 ? chain_first(salt, page) : chain_next(keys.back(), page));
     if (key_bits < 128) truncate_key(keys.back(), key_bits);
   }
-  return keys;
 }
 
 }  // namespace hicache

@@ -13,6 +13,9 @@
 namespace hicache {
 namespace {
 
+// Keys a lookup hashes before its first walk (try_resume hashes more only while pages match).
+constexpr std::int64_t kFirstKeys = 16;
+
 CacheConfig validated(CacheConfig c) {
   c.validate();
   return c;
@@ -187,8 +190,12 @@ std::int64_t HostPrefixCache::try_resume(std::string_view request_id,
   const auto n_prompt = static_cast<std::int64_t>(prompt.size());
   const std::int64_t max_pages = std::max<std::int64_t>(0, n_prompt - config_.keep_tokens) / B;
   const std::string_view chain_salt = salt.value_or(std::string_view(config_.salt));
-  const std::vector<Key> keys =
-      chain_keys(chain_salt, prompt, B, max_pages, config_.key_bits);  // outside the lock
+  // Keys are hashed lazily, outside the lock, in doubling installments: a lookup that misses
+  // early does not hash the whole prompt (about 1 us a page). After each installment the walk
+  // starts again under the lock, so nothing found before an unlock is trusted after it.
+  std::vector<Key> keys;
+  extend_chain_keys(keys, chain_salt, prompt, B, std::min<std::int64_t>(max_pages, kFirstKeys),
+                    config_.key_bits);
 
   std::unique_lock<std::mutex> lock(mu_);
   retire_completed();
@@ -198,15 +205,29 @@ std::int64_t HostPrefixCache::try_resume(std::string_view request_id,
   if (disabled_ || keys.empty()) return 0;
 
   std::vector<Entry*> matched;
-  std::uint64_t parent = root_serial(chain_salt);
-  for (std::size_t i = 0; i < keys.size(); ++i) {
-    Entry* e = pages_.find(keys[i]);
-    const auto page = prompt.subspan(i * static_cast<std::size_t>(B), static_cast<std::size_t>(B));
-    if (e == nullptr || !e->ready || e->parent_serial != parent || !same_tokens(e->tokens, page)) {
+  for (;;) {
+    matched.clear();
+    std::uint64_t parent = root_serial(chain_salt);
+    for (std::size_t i = 0; i < keys.size(); ++i) {
+      Entry* e = pages_.find(keys[i]);
+      const auto page =
+          prompt.subspan(i * static_cast<std::size_t>(B), static_cast<std::size_t>(B));
+      if (e == nullptr || !e->ready || e->parent_serial != parent ||
+          !same_tokens(e->tokens, page)) {
+        break;
+      }
+      matched.push_back(e);
+      parent = e->serial;
+    }
+    if (matched.size() < keys.size() || static_cast<std::int64_t>(keys.size()) >= max_pages) {
       break;
     }
-    matched.push_back(e);
-    parent = e->serial;
+    lock.unlock();
+    extend_chain_keys(keys, chain_salt, prompt, B,
+                      std::min<std::int64_t>(max_pages, 2 * static_cast<std::int64_t>(keys.size())),
+                      config_.key_bits);
+    lock.lock();
+    if (disabled_) return 0;
   }
   Entry* state = nullptr;
   std::size_t h = matched.size();

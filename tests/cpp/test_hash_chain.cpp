@@ -1,6 +1,8 @@
 // The hash chain against vectors produced by Python's hashlib.blake2b (the oracle).
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cstdint>
 #include <numeric>
 #include <string>
 #include <vector>
@@ -105,4 +107,18 @@ TEST(HashChain, TruncatedKeysKeepTheLeadingBitsAndSeedTheNextKey) {
   EXPECT_EQ(weak[1], next);
   EXPECT_THROW(hicache::chain_keys("", t, 128, INT64_MAX, 0), std::invalid_argument);
   EXPECT_THROW(hicache::chain_keys("", t, 128, INT64_MAX, 129), std::invalid_argument);
+}
+
+TEST(HashChain, ExtendingInInstallmentsGivesTheSameKeys) {
+  const auto t = iota_tokens(10 * 16 + 5);
+  for (int bits : {3, 128}) {
+    const auto whole = hicache::chain_keys("salt", t, 16, INT64_MAX, bits);
+    ASSERT_EQ(whole.size(), 10u);
+    std::vector<hicache::Key> keys;
+    for (std::int64_t upto : {0, 1, 3, 3, 7, 12}) {
+      hicache::extend_chain_keys(keys, "salt", t, 16, upto, bits);
+      ASSERT_EQ(keys.size(), static_cast<std::size_t>(std::min<std::int64_t>(upto, 10)));
+      for (std::size_t i = 0; i < keys.size(); ++i) EXPECT_EQ(keys[i], whole[i]) << i;
+    }
+  }
 }

@@ -124,6 +124,34 @@ TEST(HostPrefixCache, LayerMajorFourSegmentsWithPaddedStridesRoundTripExactly) {
   round_trip(eng);
 }
 
+TEST(HostPrefixCache, LongHitsAndLateMissesAcrossTheHashingInstallments) {
+  // try_resume hashes 16 pages, then doubles while every page matches: hits and misses on both
+  // sides of 16, 32 and 64 pages must be exactly what is cached.
+  FakeEngine eng(256, {8});
+  HostPrefixCache cache(eng.segments(), {}, small_config(200));
+  const auto base = tokens(100 * 16 + 1);
+  for (std::int64_t b = 0; b < 100; ++b) eng.fill(b, static_cast<std::uint32_t>(7000 + b));
+  ASSERT_EQ(cache.store("s", base, ids(0, 101)), 100);
+  cache.poll();
+  cache.forget("s");
+  for (std::int64_t pages : {1, 15, 16, 17, 31, 32, 33, 63, 64, 65, 99, 100}) {
+    SCOPED_TRACE(pages);
+    // The cached prefix of `pages` pages, then tokens no page holds.
+    auto prompt = tokens(static_cast<std::size_t>(pages * 16));
+    for (int i = 0; i < 40; ++i) prompt.push_back(900000 + i);
+    const std::int64_t expect = pages * 16;
+    EXPECT_EQ(cache.try_resume("r", prompt, give(ids(120, 102))), expect);
+    for (std::int64_t b = 0; b < pages; ++b) ASSERT_EQ(eng.page(120 + b), eng.page(b)) << b;
+    cache.poll();
+    cache.forget("r");
+  }
+  EXPECT_EQ(cache.try_resume("w", base, give(ids(120, 102))), 100 * 16);
+  cache.forget("w");
+  auto shorter = tokens(64 * 16);  // exactly 64 pages: the cap keeps the last page's last token
+  EXPECT_EQ(cache.try_resume("x", shorter, give(ids(120, 102))), 63 * 16);
+  cache.forget("x");
+}
+
 TEST(HostPrefixCache, KeepTokensCapLeavesTheTailToCompute) {
   FakeEngine eng(8, {64});
   CacheConfig c = small_config(8);

@@ -37,4 +37,11 @@ std::vector<Key> chain_keys(std::string_view salt, std::span<const std::int32_t>
                             std::int64_t block_tokens, std::int64_t max_pages = INT64_MAX,
                             int key_bits = 128);
 
+/// Appends to `keys` (the chain's first keys.size() keys, for the same salt, tokens and
+/// key_bits) the keys of the next pages, up to `max_pages` in all: chain_keys in installments.
+/// @throws std::invalid_argument as chain_keys.
+void extend_chain_keys(std::vector<Key>& keys, std::string_view salt,
+                       std::span<const std::int32_t> tokens, std::int64_t block_tokens,
+                       std::int64_t max_pages, int key_bits = 128);
+
 }  // namespace hicache
