@@ -499,27 +499,30 @@ TEST(HostPrefixCache, PoolAllocationFailureSkipsTheStore) {
 }
 
 TEST(HostPrefixCache, ConcurrentCallsFromSeveralThreadsStayConsistent) {
-  FakeEngine eng(256, {128});
-  HostPrefixCache cache(eng.segments(), {}, small_config(24));
-  for (std::int64_t b = 0; b < 256; ++b) eng.fill(b, static_cast<std::uint32_t>(b % 8));
-  std::atomic<int> bad{0};
+  // Conversations of 3 pages and of 20-35 pages (their lookups hash in installments and walk
+  // again after each, while other threads evict), in a pool of 48 pages.
+  FakeEngine eng(512, {128});
+  HostPrefixCache cache(eng.segments(), {}, small_config(48));
+  std::atomic<int> bad{0}, long_hits{0};
   std::vector<std::thread> threads;
   for (int th = 0; th < 4; ++th) {
     threads.emplace_back([&, th] {
       std::mt19937 rng(static_cast<std::uint32_t>(th));
-      const std::int64_t base = 64 * th;  // each thread owns 64 blocks
+      const std::int64_t base = 128 * th;  // each thread owns 128 blocks
       for (int i = 0; i < 400; ++i) {
         const int conv = static_cast<int>(rng() % 8);
-        const auto t = tokens(16 * 3 + 1, conv * 1000);
-        // Blocks 0..2 of conversation `conv` hold pattern `conv` in every thread's range.
-        for (std::int64_t p = 0; p < 3; ++p)
-          eng.fill(base + p, static_cast<std::uint32_t>(conv * 10 + p));
+        const std::int64_t pages = conv < 4 ? 3 : 20 + 5 * (conv - 4);
+        const auto t = tokens(static_cast<std::size_t>(16 * pages + 1), conv * 1000);
+        // Blocks 0..pages-1 of conversation `conv` hold its patterns in every thread's range.
+        for (std::int64_t p = 0; p < pages; ++p)
+          eng.fill(base + p, static_cast<std::uint32_t>(conv * 100 + p));
         const std::string id = std::to_string(th) + ":" + std::to_string(i);
-        const std::int64_t got = cache.try_resume(id, t, give(ids(base + 10, 3)));
+        const std::int64_t got = cache.try_resume(id, t, give(ids(base + 50, pages)));
+        if (got > 16 * 16) ++long_hits;  // past the first installment of keys
         for (std::int64_t p = 0; p < got / 16; ++p) {
-          if (eng.page(base + 10 + p) != eng.page(base + p)) ++bad;
+          if (eng.page(base + 50 + p) != eng.page(base + p)) ++bad;
         }
-        cache.store(id, t, ids(base, 4));
+        cache.store(id, t, ids(base, pages + 1));
         cache.poll();
         cache.forget(id);
       }
@@ -527,6 +530,7 @@ TEST(HostPrefixCache, ConcurrentCallsFromSeveralThreadsStayConsistent) {
   }
   for (auto& t : threads) t.join();
   EXPECT_EQ(bad.load(), 0);
+  EXPECT_GT(long_hits.load(), 0);
   auto s = cache.stats();
   EXPECT_EQ(s.lookups, 1600);
   EXPECT_GT(s.hits, 0);
