@@ -5,10 +5,10 @@
 //
 // Why: a host page is contiguous, but in a layer-major pool its bytes are scattered over the GPU
 // in chunks of 16-256 KiB. Across PCIe, a copy kernel reaches ~0.92 of the DMA rate, and the DMA
-// engines lose even more on such chunks (0.84 at 256 KiB, measured on an H200). Staging gives
+// engines lose even more on such chunks (0.84-0.91 at 256 KiB, measured on an H200). Staging gives
 // the DMA engines one piece per page (or per window of pages) and leaves the kernel the part it
-// is good at: the scatter on the GPU's own memory, ~20 times faster than the link, so the SMs
-// are busy for a small fraction of the transfer.
+// is good at: the scatter within the GPU's own memory, whose bandwidth is far above the link's,
+// so the SMs are busy for a small part of the transfer.
 //
 // Ordering: a lane has its own DMA stream and a buffer of `windows` windows; CUDA events order
 // each window's reuse between the DMA stream and the caller's stream. The caller's stream sees
