@@ -13,7 +13,6 @@ Prints markdown rows.
 from __future__ import annotations
 
 import argparse
-import gc
 import statistics
 from collections.abc import Callable
 
@@ -124,31 +123,34 @@ def main() -> None:
         lambda: variants("kernel", cuda_staging_bytes=0),
         dma_runs,
     ]
+
+    def run(name: str, fn: Callable[[], None], cache: hicache.HostPrefixCache | None) -> tuple:
+        copy_alone = timed(side, fn, 10)
+        torch.cuda.synchronize()
+        if cache is not None:
+            cache.poll()
+        per_mm_alone = matmuls()
+        k = max(4, int(args.matmuls * per_mm_alone / copy_alone) + 4)  # copies outlast the matmuls
+        if "store" in name:
+            k = min(k, stores_in_flight - 1)
+        c0, c1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        c0.record(side)
+        for _ in range(k):
+            fn()
+        c1.record(side)
+        per_mm = matmuls()
+        copy_bw = k * batch_bytes / (c0.elapsed_time(c1) * 1e6)
+        if cache is not None:
+            cache.poll()
+        after = matmuls()
+        base = (per_mm_alone + after) / 2
+        return (name, batch_bytes / (copy_alone * 1e6), copy_bw, base, per_mm / base - 1)
+
     rows = []
     for group in groups:
-        for name, fn, cache in group():
-            copy_alone = timed(side, fn, 10)
-            torch.cuda.synchronize()
-            if cache is not None:
-                cache.poll()
-            per_mm_alone = matmuls()
-            k = max(4, int(args.matmuls * per_mm_alone / copy_alone) + 4)  # copies outlast the matmuls
-            if "store" in name:
-                k = min(k, stores_in_flight - 1)
-            c0, c1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            c0.record(side)
-            for _ in range(k):
-                fn()
-            c1.record(side)
-            per_mm = matmuls()
-            copy_bw = k * batch_bytes / (c0.elapsed_time(c1) * 1e6)
-            if cache is not None:
-                cache.poll()
-            after = matmuls()
-            base = (per_mm_alone + after) / 2
-            rows.append((name, batch_bytes / (copy_alone * 1e6), copy_bw, base, per_mm / base - 1))
-        fn = cache = None
-        gc.collect()
+        # The group's list is the only owner of its caches: they (and their pinned pools) are
+        # freed once it is done, before the next group pins its own.
+        rows += [run(*variant) for variant in group()]
         torch.cuda.synchronize()
     flops = 2 * 8192**3 / (rows[0][3] * 1e-3) / 1e12
     print(

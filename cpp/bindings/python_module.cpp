@@ -128,6 +128,7 @@ PyCache make_cache(std::vector<nb::ndarray<>> segments, std::int64_t block_token
   cuda_options.staging_bytes = cuda_staging_bytes;
   cuda_options.staging_windows = cuda_staging_windows;
   cuda_options.staging_priority = cuda_staging_priority;
+  cuda_options.validate();  // for every copier: a bad value is an error on the CPU too
   std::shared_ptr<hicache::Copier> chosen;
   if (copier == "deferred") {
     out.deferred = std::make_shared<hicache::DeferredCopier>();

@@ -110,17 +110,13 @@ class CudaCopier final : public Copier {
     use_dma_ = opt_.dma_min_chunk_bytes > 0 &&
                static_cast<std::size_t>(smallest) >= opt_.dma_min_chunk_bytes;
     layout_ = &layout;
-    std::vector<SegmentRow> rows;
-    for (std::size_t s = 0; s < segs.size(); ++s) {
-      rows.push_back({static_cast<char*>(segs[s].base), segs[s].block_stride, segs[s].block_bytes,
-                      static_cast<long long>(layout.page_offset(s))});
-    }
     // CUDA loads a kernel's module at its first launch (lazy loading), and that load waits for
     // kernels already running: the engine's first store would stall behind its own forward pass
     // (measured on an H200: 101 ms behind a 100 ms kernel). Loading them here, at start-up,
     // keeps that off the serving path.
     SegmentTable::load_kernels();
-    table_ = std::make_unique<SegmentTable>(rows, vec_, opt_.threads);
+    table_ =
+        std::make_unique<SegmentTable>(segment_rows(layout, 0, segs.size()), vec_, opt_.threads);
     store_lanes_.clear();
     load_lanes_.clear();
     staging_refused_ = false;
@@ -267,15 +263,7 @@ std::shared_ptr<Copier> make_cuda_copier(int device, CudaCopierOptions options) 
     throw std::invalid_argument("CUDA device " + std::to_string(device) + " does not exist (" +
                                 std::to_string(n) + " visible)");
   }
-  if (options.max_blocks < 1 || options.max_blocks > 1024) {
-    throw std::invalid_argument("cuda_blocks must be in [1, 1024]");
-  }
-  if (options.staging_windows < 2 || options.staging_windows > 64) {
-    throw std::invalid_argument("CUDA staging windows must be in [2, 64]");
-  }
-  if (options.threads < 32 || options.threads > 1024 || options.threads % 32 != 0) {
-    throw std::invalid_argument("CUDA copier threads must be a multiple of 32 in [32, 1024]");
-  }
+  options.validate();
   return std::make_shared<cuda::CudaCopier>(device, options);
 }
 

@@ -29,13 +29,22 @@ void load_pair() {
 
 }  // namespace
 
-SegmentTable::SegmentTable(const std::vector<SegmentRow>& rows, int vec, int threads)
-    : count_(static_cast<int>(rows.size())), vec_(vec), threads_(threads) {
+std::vector<SegmentDesc> segment_rows(const PageLayout& layout, std::size_t lo, std::size_t hi) {
+  const auto& segs = layout.segments();
+  std::vector<SegmentDesc> rows;
+  rows.reserve(hi - lo);
+  for (std::size_t s = lo; s < hi; ++s) {
+    rows.push_back({static_cast<char*>(segs[s].base), segs[s].block_stride, segs[s].block_bytes,
+                    static_cast<long long>(layout.page_offset(s) - layout.page_offset(lo)), 0});
+  }
+  return rows;
+}
+
+SegmentTable::SegmentTable(std::vector<SegmentDesc> table, int vec, int threads)
+    : count_(static_cast<int>(table.size())), vec_(vec), threads_(threads) {
   const long long tile = static_cast<long long>(threads) * vec;
-  std::vector<SegmentDesc> table;
-  table.reserve(rows.size());
-  for (const SegmentRow& r : rows) {
-    table.push_back({r.base, r.stride, r.bytes, r.host_offset, tiles_per_page_});
+  for (SegmentDesc& r : table) {
+    r.first_tile = tiles_per_page_;
     tiles_per_page_ += (r.bytes + tile - 1) / tile;
   }
   HICACHE_CUDA_CHECK(cudaMalloc(&rows_, table.size() * sizeof(SegmentDesc)));

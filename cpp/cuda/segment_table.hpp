@@ -9,23 +9,21 @@
 #include <vector>
 
 #include "hicache/copier.hpp"
+#include "hicache/page_layout.hpp"
 #include "page_copy_kernel.cuh"
 
 namespace hicache::cuda {
 
-/// One segment as the kernel sees it, before tiles are assigned.
-struct SegmentRow {
-  char* base;             // device address of block 0
-  long long stride;       // bytes from one block to the next
-  long long bytes;        // bytes of one block
-  long long host_offset;  // where the segment's bytes start in the destination page
-};
+/// Segments [lo, hi) of `layout` as the kernel sees them, their host offsets counted from segment
+/// lo's (the start of the bytes a copy moves per page); first_tile is left to SegmentTable.
+std::vector<SegmentDesc> segment_rows(const PageLayout& layout, std::size_t lo, std::size_t hi);
 
 class SegmentTable {
  public:
+  /// @param rows as segment_rows gives them (first_tile is assigned here).
   /// @param vec bytes per vector access (16, 4 or 1): every base, stride, size and offset must
   ///        be a multiple of it. @throws hicache::Error if the device table cannot be allocated.
-  SegmentTable(const std::vector<SegmentRow>& rows, int vec, int threads);
+  SegmentTable(std::vector<SegmentDesc> rows, int vec, int threads);
   ~SegmentTable();
   SegmentTable(const SegmentTable&) = delete;
   SegmentTable& operator=(const SegmentTable&) = delete;

@@ -24,13 +24,8 @@ StagingPlan::StagingPlan(const PageLayout& layout, std::size_t window_target, in
   for (auto [lo, hi] : ranges) {
     Group g;
     g.host_offset = layout.page_offset(lo);
-    std::vector<SegmentRow> rows;
-    for (std::size_t s = lo; s < hi; ++s) {
-      rows.push_back({static_cast<char*>(segs[s].base), segs[s].block_stride, segs[s].block_bytes,
-                      static_cast<long long>(layout.page_offset(s) - g.host_offset)});
-      g.bytes += static_cast<std::size_t>(segs[s].block_bytes);
-    }
-    g.table = std::make_unique<SegmentTable>(rows, vec, threads);
+    for (std::size_t s = lo; s < hi; ++s) g.bytes += static_cast<std::size_t>(segs[s].block_bytes);
+    g.table = std::make_unique<SegmentTable>(segment_rows(layout, lo, hi), vec, threads);
     window_bytes = std::max(window_bytes, g.bytes);
     groups.push_back(std::move(g));
   }

@@ -64,6 +64,14 @@ class DevicePool {
     }
     return out;
   }
+  // Every byte of `block` set to `value`, on `stream`: the engine's own earlier work.
+  void set_async(std::int64_t block, int value, cudaStream_t stream) {
+    for (const auto& s : segments_) {
+      EXPECT_EQ(cudaMemsetAsync(static_cast<char*>(s.base) + block * s.block_stride, value,
+                                static_cast<std::size_t>(s.block_bytes), stream),
+                cudaSuccess);
+    }
+  }
   void clear(std::int64_t block) {
     for (const auto& s : segments_) {
       cudaMemset(static_cast<char*>(s.base) + block * s.block_stride, 0,
@@ -90,16 +98,28 @@ hicache::CudaCopierOptions staged(std::size_t staging_bytes, int windows = 2,
   return o;
 }
 
+// A CUDA copier bound to `layout` (which must outlive it).
+std::shared_ptr<hicache::Copier> bound_copier(const hicache::PageLayout& layout,
+                                              hicache::CudaCopierOptions opt) {
+  auto copier = hicache::make_cuda_copier(0, opt);
+  copier->bind(layout);
+  return copier;
+}
+
+// `n` host slots for `layout`'s pages, from `copier`'s (pinned) allocator.
+hicache::HostPool host_slots(const hicache::PageLayout& layout, hicache::Copier& copier,
+                             std::int64_t n) {
+  return hicache::HostPool(layout.page_bytes(), n, std::size_t{64} << 20, copier.host_allocator());
+}
+
 // Copier-level round trip with host slots in random order (so staged DMA pieces are not
 // adjacent) and some adjacent (so they merge): pages of blocks [0, n) go to host slots, are
 // checked there byte for byte, then come back into blocks [n, 2n) in another order.
 void expect_copier_round_trip(DevicePool& pool, hicache::CudaCopierOptions opt, std::int64_t n,
                               cudaStream_t store_stream, cudaStream_t load_stream) {
   hicache::PageLayout layout(pool.segments(), kGpu);
-  auto copier = hicache::make_cuda_copier(0, opt);
-  copier->bind(layout);
-  hicache::HostPool host(layout.page_bytes(), 2 * n, std::size_t{64} << 20,
-                         copier->host_allocator());
+  auto copier = bound_copier(layout, opt);
+  auto host = host_slots(layout, *copier, 2 * n);
   std::vector<std::int64_t> slot(static_cast<std::size_t>(2 * n));
   for (std::size_t i = 0; i < slot.size(); ++i) slot[i] = static_cast<std::int64_t>(i);
   std::shuffle(slot.begin() + 2, slot.end(), std::mt19937(7));  // first two stay adjacent
@@ -176,9 +196,7 @@ TEST(CudaCopier, ThePathFollowsTheLayout) {
   if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
   auto path_for = [](const DevicePool& pool, hicache::CudaCopierOptions opt = {}) {
     const hicache::PageLayout layout(pool.segments(), kGpu);
-    auto c = hicache::make_cuda_copier(0, opt);
-    c->bind(layout);
-    return std::string(c->path());
+    return std::string(bound_copier(layout, opt)->path());
   };
   DevicePool large_chunks(4, {1 << 20, 1 << 20});
   DevicePool layer_major(4, std::vector<std::int64_t>(8, 64 << 10));  // 512 KiB pages
@@ -232,11 +250,8 @@ TEST(CudaCopier, StagedStoreAndLoadAtOnceOnTwoStreams) {
   hicache::PageLayout layout(pool.segments(), kGpu);
   for (bool priority : {false, true}) {
     SCOPED_TRACE(priority);
-    auto copier =
-        hicache::make_cuda_copier(0, staged(512 << 10, 2, priority));  // two pages a window
-    copier->bind(layout);
-    hicache::HostPool host(layout.page_bytes(), 32, std::size_t{64} << 20,
-                           copier->host_allocator());
+    auto copier = bound_copier(layout, staged(512 << 10, 2, priority));  // two pages a window
+    auto host = host_slots(layout, *copier, 32);
     std::vector<hicache::PageMove> first, reload, second;
     for (std::int64_t i = 0; i < 16; ++i) {
       first.push_back({i, host.slot(i)});
@@ -276,20 +291,14 @@ TEST(CudaCopier, StagedStoresReadTheBlocksAfterTheEnginesEarlierWork) {
   hicache::PageLayout layout(pool.segments(), kGpu);
   for (bool priority : {false, true}) {
     SCOPED_TRACE(priority);
-    auto copier = hicache::make_cuda_copier(0, staged(256 << 10, 2, priority));
-    copier->bind(layout);
-    hicache::HostPool host(layout.page_bytes(), 4, std::size_t{4} << 20, copier->host_allocator());
+    auto copier = bound_copier(layout, staged(256 << 10, 2, priority));
+    auto host = host_slots(layout, *copier, 4);
     std::vector<hicache::PageMove> out;
     for (std::int64_t i = 0; i < 4; ++i) out.push_back({i, host.slot(i)});
     const auto value = static_cast<int>(priority ? 0x5A : 0x3C);
     spin<<<1, 1, 0, s>>>(kSpinCycles / 4);
     CK(cudaGetLastError());
-    for (const auto& m : out) {
-      for (std::size_t seg = 0; seg < layout.segments().size(); ++seg) {
-        CK(cudaMemsetAsync(layout.block_address(seg, m.block), value,
-                           static_cast<std::size_t>(layout.segments()[seg].block_bytes), s));
-      }
-    }
+    for (const auto& m : out) pool.set_async(m.block, value, s);
     copier->copy_pages(hicache::Direction::kToHost, layout, out, s);
     copier->record(s)->wait();
     for (const auto& m : out) {
@@ -313,10 +322,8 @@ TEST(CudaCopier, StagedLoadsQueuedBehindABusyStreamDoNotHoldUpOtherStreams) {
   hicache::PageLayout layout(pool.segments(), kGpu);
   for (bool priority : {false, true}) {
     SCOPED_TRACE(priority);
-    auto copier = hicache::make_cuda_copier(0, staged(256 << 10, 2, priority));  // a page a window
-    copier->bind(layout);
-    hicache::HostPool host(layout.page_bytes(), 16, std::size_t{64} << 20,
-                           copier->host_allocator());
+    auto copier = bound_copier(layout, staged(256 << 10, 2, priority));  // a page a window
+    auto host = host_slots(layout, *copier, 16);
     std::vector<hicache::PageMove> out, to_busy, to_free;
     for (std::int64_t i = 0; i < 8; ++i) {
       out.push_back({i, host.slot(i)});
@@ -333,12 +340,7 @@ TEST(CudaCopier, StagedLoadsQueuedBehindABusyStreamDoNotHoldUpOtherStreams) {
     CK(cudaGetLastError());
     // Earlier work of the engine on the same blocks, queued behind the spin: the load must land
     // after it, on whatever stream its scatter runs.
-    for (const auto& m : to_busy) {
-      for (std::size_t seg = 0; seg < layout.segments().size(); ++seg) {
-        CK(cudaMemsetAsync(layout.block_address(seg, m.block), 0xEE,
-                           static_cast<std::size_t>(layout.segments()[seg].block_bytes), busy));
-      }
-    }
+    for (const auto& m : to_busy) pool.set_async(m.block, 0xEE, busy);
     copier->copy_pages(hicache::Direction::kToDevice, layout, to_busy, busy);
     auto on_busy = copier->record(busy);
     copier->copy_pages(hicache::Direction::kToDevice, layout, to_free, free_stream);

@@ -4,6 +4,8 @@
 
 #include <cstddef>
 #include <memory>
+#include <stdexcept>
+#include <string>
 
 #include "hicache/copier.hpp"
 
@@ -36,12 +38,29 @@ struct CudaCopierOptions {
   /// the caller's earlier work by an event) instead of the caller's stream, so that beside
   /// compute their CTAs go first as SMs free up. Experimental: not measured yet.
   bool staging_priority = false;
+
+  /// @throws std::invalid_argument naming the option (by its Python name) if one is out of range.
+  void validate() const {
+    auto fail = [](const char* what, long long v) {
+      throw std::invalid_argument(std::string(what) + ", not " + std::to_string(v));
+    };
+    if (max_blocks < 1 || max_blocks > 1024) {
+      fail("cuda_blocks must be in [1, 1024] (max_blocks)", max_blocks);
+    }
+    if (staging_windows < 2 || staging_windows > 64) {
+      fail("cuda_staging_windows must be in [2, 64] (staging_windows)", staging_windows);
+    }
+    if (threads < 32 || threads > 1024 || threads % 32 != 0) {
+      fail("CUDA copier threads must be a multiple of 32 in [32, 1024]", threads);
+    }
+  }
 };
 
 /// Whether this build has the CUDA copier and a CUDA device is visible.
 bool cuda_available();
 
-/// @throws std::invalid_argument if this build has no CUDA, or the device does not exist.
+/// @throws std::invalid_argument if this build has no CUDA, the device does not exist, or an
+///         option is out of range (CudaCopierOptions::validate).
 std::shared_ptr<Copier> make_cuda_copier(int device, CudaCopierOptions options = {});
 
 }  // namespace hicache
