@@ -44,9 +44,9 @@ class HostPrefixCache:
             whose chunks are under 1 MiB); the kernel scatters them at HBM speed. 0: the kernel
             copies across PCIe directly (~0.92 of the DMA rate on an H200).
         cuda_staging_windows: windows the staging is cut into (2 to 64).
-        cuda_staging_priority: experimental: staged gathers/scatters on a greatest-priority
-            stream of the cache's own, ordered after the caller's stream, so that beside compute
-            their CTAs go first.
+        cuda_staging_priority: staged gathers/scatters on a greatest-priority stream of the
+            cache's own, ordered after the caller's stream, so that beside compute their CTAs go
+            first (on an H200 beside a bf16 matmul this gained nothing: see BENCHMARKS.md).
         pool_chunk_bytes: size of one host allocation.
         pin_upfront: CUDA only. False (default): pin the first chunk now and each next one on a
             background thread as the pool fills (stores that outrun the pinning are skipped and
