@@ -7,6 +7,8 @@ original cache and from a full recompute.
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 
 import hicache
@@ -15,14 +17,18 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 B = 16
+# The model's KV cache keyword and output field: "cache" in newer transformers (5.24, the test
+# pin, deprecates "past_key_values" for removal in 5.40), "past_key_values" in older ones.
+_FORWARD_ARGS = inspect.signature(transformers.LlamaForCausalLM.forward).parameters
+CACHE = "cache" if "cache" in _FORWARD_ARGS else "past_key_values"
 
 
 def greedy(model, ids: torch.Tensor, past, steps: int) -> list[int]:
     """Greedy decoding from `ids` (the tokens past does not hold yet)."""
     out = []
-    for _ in range(steps):  # past_key_values: the keyword every transformers 5.x takes
-        res = model(input_ids=ids[None], past_key_values=past, use_cache=True)
-        past = res.past_key_values
+    for _ in range(steps):
+        res = model(input_ids=ids[None], use_cache=True, **{CACHE: past})
+        past = getattr(res, CACHE)
         nxt = int(res.logits[0, -1].argmax())
         out.append(nxt)
         ids = torch.tensor([nxt])
@@ -53,7 +59,7 @@ def test_llama_kv_round_trips_through_hicache_and_generates_the_same_tokens() ->
     )
     with torch.no_grad():
         first = model(input_ids=turn1[None], use_cache=True)
-        original = first.past_key_values
+        original = getattr(first, CACHE)
         # Store turn 1's full blocks: the model's [1, kv_heads, T, head_dim] KV into pages.
         n1 = len(turn1) // B
         for layer in range(cfg.num_hidden_layers):
