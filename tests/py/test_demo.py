@@ -4,6 +4,7 @@ on a GPU in bf16 when there is one)."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import subprocess
 import sys
@@ -67,6 +68,21 @@ def test_larger_prefill_chunks_are_still_identical_and_hit_on_chunk_boundaries(
     assert all(r.cached_tokens % 64 == 0 for r in with_cache)
     assert any(r.cached_tokens > 0 for r in with_cache)
     assert len({tuple(r.generated) for r in without}) > 40
+
+
+def test_progress_lines_cover_the_longer_ones_before_them() -> None:
+    cfg = PRESETS["tiny"]
+    model = TinyTransformer(cfg, torch.device("cpu"), torch.float32, seed=1)
+    convs = make_conversations(6, 2, cfg.vocab, first_tokens=120, user_tokens=40, seed=1)
+    out: list[str] = []
+    run_workload(PagedEngine(model, num_blocks=64, block_tokens=32), convs, 1, "w", progress=out.append)
+    assert out[-1] == "\n" and all(s.startswith("\r") for s in out[:-1]) and len(out) == 13
+    lines = [s[1:] for s in out[:-1]]
+    texts = [line.rstrip() for line in lines]
+    # Some message is shorter than the one before it (a 3-digit prompt after a 4-digit one)...
+    assert any(len(b) < len(a) for a, b in itertools.pairwise(texts))
+    # ...and is padded so that, after a carriage return, nothing of the longer one stays visible.
+    assert all(len(b) >= len(a) for a, b in itertools.pairwise(lines))
 
 
 def test_prefill_chunks_must_be_whole_blocks_and_plain() -> None:

@@ -22,6 +22,7 @@ def run_workload(
     turns = 1 + len(conversations[0].user_turns)
     results = []
     total = turns * len(conversations)
+    shown = 0  # longest progress line so far: a shorter one is padded over it
     for t in range(turns):
         for i, conv in enumerate(conversations):
             prompt = history[i] if t == 0 else history[i] + conv.user_turns[t - 1]
@@ -29,7 +30,9 @@ def run_workload(
             results.append(res)
             history[i] = prompt + res.generated  # the answer is part of the next prompt
             if progress is not None:
-                progress(f"\r{tag}: request {len(results)}/{total} ({len(prompt)} prompt tokens)")
+                line = f"{tag}: request {len(results)}/{total} ({len(prompt)} prompt tokens)"
+                progress("\r" + line.ljust(shown))
+                shown = max(shown, len(line))
     if progress is not None:
         progress("\n")
     return results
