@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import weakref
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import pytest
@@ -44,3 +45,25 @@ def assert_freed_by_refcount(use: Callable[[], hicache.HostPrefixCache]) -> None
     finally:
         if was_enabled:
             gc.enable()
+
+
+def use_every_method(segments: list[Any], state: Any) -> hicache.HostPrefixCache:
+    """Stores (with a state export), a hit (with a state import), a deferral, a forget and the
+    read-only calls: what an engine does with a cache before dropping it."""
+    b = 16  # block_tokens
+    cache = hicache.HostPrefixCache(
+        segments, block_tokens=b, capacity_pages=8, state_bytes=state.nbytes, capacity_states=2
+    )
+    prompt = torch.arange(3 * b + 1, device=state.device)
+    cache.store("a", prompt, [0, 1, 2, 3], state_export=lambda pos: state if pos == 3 * b else None)
+    if state.is_cuda:
+        torch.cuda.synchronize()
+    cache.poll()
+    assert cache.try_resume("b", prompt, lambda n: [4, 5, 6], state_out=state) == 3 * b
+    assert cache.try_resume("c", prompt, lambda n: None, state_out=state) == -1
+    cache.forget("a")
+    cache.stats_dict()
+    if state.is_cuda:
+        torch.cuda.synchronize()
+    cache.poll()
+    return cache

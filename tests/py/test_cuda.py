@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 import hicache
-from conftest import assert_freed_by_refcount, requires_gpu
+from conftest import assert_freed_by_refcount, requires_gpu, use_every_method
 
 torch = pytest.importorskip("torch")
 pytestmark = requires_gpu
@@ -145,8 +145,6 @@ def test_cuda_segments_must_share_one_device_and_blocks_are_checked() -> None:
 
 
 def test_a_dropped_cuda_cache_is_freed_at_once() -> None:
-    from test_roundtrip import use_every_method
-
     segments = [torch.zeros(8, B, 512, dtype=torch.bfloat16, device="cuda") for _ in range(2)]
     state = torch.zeros(1024, device="cuda")
     assert_freed_by_refcount(lambda: use_every_method(segments, state))

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 import hicache
-from conftest import assert_freed_by_refcount
+from conftest import assert_freed_by_refcount, use_every_method
 
 torch = pytest.importorskip("torch")
 B = 16
@@ -73,27 +73,6 @@ def test_host_bytes_sizes_the_pool_in_whole_pages() -> None:
     assert cache.stats().host_bytes == 0  # lazy: nothing allocated before the first store
     cache.store("a", torch.arange(B + 1), [0, 1])
     assert cache.stats().host_bytes > 0
-
-
-def use_every_method(segments: list["torch.Tensor"], state: "torch.Tensor") -> hicache.HostPrefixCache:
-    """Stores (with a state export), a hit (with a state import), a deferral, a forget and the
-    read-only calls: what an engine does with a cache before dropping it."""
-    cache = hicache.HostPrefixCache(
-        segments, block_tokens=B, capacity_pages=8, state_bytes=state.nbytes, capacity_states=2
-    )
-    prompt = torch.arange(3 * B + 1, device=state.device)
-    cache.store("a", prompt, [0, 1, 2, 3], state_export=lambda pos: state if pos == 3 * B else None)
-    if state.is_cuda:
-        torch.cuda.synchronize()
-    cache.poll()
-    assert cache.try_resume("b", prompt, lambda n: [4, 5, 6], state_out=state) == 3 * B
-    assert cache.try_resume("c", prompt, lambda n: None, state_out=state) == -1
-    cache.forget("a")
-    cache.stats_dict()
-    if state.is_cuda:
-        torch.cuda.synchronize()
-    cache.poll()
-    return cache
 
 
 def test_a_dropped_cache_is_freed_at_once() -> None:
