@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <fstream>
 #include <stdexcept>
 #include <string>
 
@@ -22,7 +23,27 @@ class AlignedHostAllocator final : public HostAllocator {
   const char* name() const override { return "aligned"; }
 };
 
+// MemTotal and MemAvailable in bytes, or false where /proc/meminfo cannot be read.
+bool read_meminfo(std::size_t& total, std::size_t& available) {
+  std::ifstream in("/proc/meminfo");
+  std::string key, unit;
+  std::size_t kib = 0;
+  int found = 0;
+  while (in >> key >> kib >> unit) {
+    if (key == "MemTotal:") total = kib << 10, ++found;
+    if (key == "MemAvailable:") available = kib << 10, ++found;
+  }
+  return found == 2;
+}
+
 }  // namespace
+
+bool HostAllocator::room_for(std::size_t bytes) const {
+  std::size_t total = 0, available = 0;
+  if (!read_meminfo(total, available)) return true;
+  const std::size_t reserve = std::max<std::size_t>(std::size_t{2} << 30, total / 16);
+  return available >= reserve && available - reserve >= bytes;
+}
 
 std::shared_ptr<HostAllocator> make_aligned_host_allocator() {
   return std::make_shared<AlignedHostAllocator>();
@@ -37,28 +58,28 @@ HostPool::HostPool(std::size_t slot_bytes, std::int64_t num_slots, std::size_t c
   if (slot_bytes == 0) throw std::invalid_argument("host pool: slot_bytes must be positive");
   if (num_slots < 0) throw std::invalid_argument("host pool: num_slots must be >= 0");
   if (!allocator_) throw std::invalid_argument("host pool: allocator required");
+  if (slot_bytes > SIZE_MAX / 2) throw std::invalid_argument("host pool: slot_bytes too large");
   slot_stride_ = (slot_bytes + kSlotAlign - 1) / kSlotAlign * kSlotAlign;
-  slots_per_chunk_ =
-      std::max<std::int64_t>(1, static_cast<std::int64_t>(chunk_bytes / slot_stride_));
-  const auto num_chunks =
-      static_cast<std::size_t>((num_slots + slots_per_chunk_ - 1) / slots_per_chunk_);
-  chunks_.assign(num_chunks, nullptr);
-  state_.assign(num_chunks, State::kNone);
-  failure_.assign(num_chunks, std::string());
-  if (growth_ != Growth::kOnDemand && num_chunks > 0) {
-    // At start-up, where waiting for the device costs nothing.
-    std::unique_lock<std::mutex> lock(mu_);
-    const std::size_t upfront = growth_ == Growth::kUpFront ? num_chunks : 1;
-    for (std::size_t c = 0; c < upfront; ++c) {
-      allocate_now(c);
-      if (state_[c] == State::kFailed) {
-        lock.unlock();
-        for (std::size_t d = 0; d < c; ++d) allocator_->deallocate(chunks_[d], chunk_size(d));
-        throw Error("pinning the host pool failed at chunk " + std::to_string(c) + " of " +
-                    std::to_string(num_chunks) + ": " + failure_[c]);
-      }
+  slots_per_chunk_ = static_cast<std::int64_t>(
+      std::clamp<std::size_t>(chunk_bytes / slot_stride_, 1, std::size_t{1} << 40));
+  // Without rounding up past INT64_MAX (capacity 2**63-1 is a valid "unbounded" pool).
+  num_chunks_ = static_cast<std::size_t>(num_slots / slots_per_chunk_ +
+                                         (num_slots % slots_per_chunk_ != 0 ? 1 : 0));
+  if (growth_ == Growth::kOnDemand || num_chunks_ == 0) return;
+  // At start-up, where waiting for the device costs nothing.
+  std::unique_lock<std::mutex> lock(mu_);
+  const std::size_t upfront = growth_ == Growth::kUpFront ? num_chunks_ : 1;
+  for (std::size_t c = 0; c < upfront; ++c) {
+    allocate_now(c);
+    if (chunks_[c].state == State::kFailed) {
+      const std::string why = chunks_[c].failure;
+      for (std::size_t d = 0; d < c; ++d) allocator_->deallocate(chunks_[d].data, chunk_size(d));
+      chunks_.clear();
+      throw Error("allocating the host pool failed at chunk " + std::to_string(c) + " of " +
+                  std::to_string(num_chunks_) + ": " + why);
     }
   }
+  if (growth_ == Growth::kBackground && num_chunks_ > 1) start_thread();
 }
 
 HostPool::~HostPool() {
@@ -69,7 +90,7 @@ HostPool::~HostPool() {
   cv_.notify_all();
   if (thread_.joinable()) thread_.join();
   for (std::size_t c = 0; c < chunks_.size(); ++c) {
-    if (chunks_[c] != nullptr) allocator_->deallocate(chunks_[c], chunk_size(c));
+    if (chunks_[c].data != nullptr) allocator_->deallocate(chunks_[c].data, chunk_size(c));
   }
 }
 
@@ -78,37 +99,69 @@ std::size_t HostPool::chunk_size(std::size_t c) const {
   return static_cast<std::size_t>(std::min(slots_per_chunk_, num_slots_ - first)) * slot_stride_;
 }
 
+HostPool::Chunk& HostPool::chunk(std::size_t c) {
+  if (c >= chunks_.size()) chunks_.resize(c + 1);
+  return chunks_[c];
+}
+
 void HostPool::allocate_now(std::size_t c) {
   const std::size_t bytes = chunk_size(c);
+  Chunk& ch = chunk(c);
   try {
-    auto* p = static_cast<std::byte*>(allocator_->allocate(bytes));
-    chunks_[c] = p;
-    state_[c] = State::kReady;
+    ch.data = static_cast<std::byte*>(allocator_->allocate(bytes));
+    ch.state = State::kReady;
     allocated_bytes_ += bytes;
   } catch (const std::exception& e) {
-    state_[c] = State::kFailed;
-    failure_[c] = e.what();
+    ch.state = State::kFailed;
+    ch.failure = e.what();
   }
 }
 
-void HostPool::request(std::size_t c) {
-  if (c >= state_.size() || state_[c] == State::kReady || state_[c] == State::kRequested) return;
-  state_[c] = State::kRequested;
-  queue_.push_back(c);
+void HostPool::start_thread() {
   if (!thread_.joinable()) thread_ = std::thread([this] { worker(); });
+}
+
+void HostPool::request(std::size_t c) {
+  Chunk& ch = chunk(c);
+  if (ch.state == State::kReady || ch.state == State::kRequested) return;
+  ch.state = State::kRequested;
+  queue_.push_back(c);
+  start_thread();
   cv_.notify_all();
+}
+
+bool HostPool::next_job(std::size_t& c) {
+  if (!queue_.empty()) {
+    c = queue_.front();
+    queue_.erase(queue_.begin());
+    return true;
+  }
+  if (growth_ != Growth::kBackground || sweep_stopped_) return false;
+  while (sweep_next_ < num_chunks_ && chunk(sweep_next_).state != State::kNone) ++sweep_next_;
+  if (sweep_next_ >= num_chunks_) return false;
+  if (!allocator_->room_for(chunk_size(sweep_next_))) {
+    sweep_stopped_ = true;  // the rest is allocated when a slot in it is asked for
+    return false;
+  }
+  c = sweep_next_++;
+  chunk(c).state = State::kRequested;
+  return true;
 }
 
 void HostPool::worker() {
   std::unique_lock<std::mutex> lock(mu_);
   for (;;) {
-    cv_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
-    if (stopping_) return;
-    const std::size_t c = queue_.front();
-    queue_.erase(queue_.begin());
+    std::size_t c = 0;
+    cv_.wait(lock, [&] { return stopping_ || next_job(c); });
+    if (stopping_) {
+      if (c < chunks_.size() && chunks_[c].state == State::kRequested) {
+        chunks_[c].state = State::kNone;
+      }
+      return;
+    }
     busy_ = true;
     const std::size_t bytes = chunk_size(c);
-    lock.unlock();  // the allocation may wait for the GPU: never under the lock
+    lock.unlock();  // the allocation takes tens of milliseconds: never under the lock
     std::byte* p = nullptr;
     std::string err;
     try {
@@ -118,13 +171,15 @@ void HostPool::worker() {
     }
     lock.lock();
     busy_ = false;
+    Chunk& ch = chunk(c);
     if (p != nullptr) {
-      chunks_[c] = p;
-      state_[c] = State::kReady;
+      ch.data = p;
+      ch.state = State::kReady;
       allocated_bytes_ += bytes;
     } else {
-      state_[c] = State::kFailed;
-      failure_[c] = err;
+      ch.state = State::kFailed;
+      ch.failure = err;
+      sweep_stopped_ = true;  // likely out of memory: pin more only when asked
     }
     cv_.notify_all();
   }
@@ -137,27 +192,33 @@ std::byte* HostPool::slot(std::int64_t i) {
   }
   const auto c = static_cast<std::size_t>(i / slots_per_chunk_);
   std::unique_lock<std::mutex> lock(mu_);
-  if (state_[c] != State::kReady) {
+  Chunk& ch = chunk(c);
+  if (ch.state != State::kReady) {
     if (growth_ == Growth::kOnDemand) {
       allocate_now(c);
-    } else if (state_[c] == State::kNone) {
+    } else if (ch.state == State::kNone) {
       request(c);
       return nullptr;
-    } else if (state_[c] == State::kRequested) {
+    } else if (ch.state == State::kRequested) {
       return nullptr;
     }
-    if (state_[c] == State::kFailed) {
-      state_[c] = State::kNone;  // a later call tries again
-      throw Error(failure_[c]);
+    if (ch.state == State::kFailed) {
+      ch.state = State::kNone;  // a later call asks again
+      throw Error(ch.failure);
     }
   }
-  if (growth_ == Growth::kAhead) request(c + 1);  // keep one chunk ahead of use
-  return chunks_[c] + static_cast<std::size_t>(i % slots_per_chunk_) * slot_stride_;
+  return ch.data + static_cast<std::size_t>(i % slots_per_chunk_) * slot_stride_;
 }
 
 void HostPool::wait_idle() {
   std::unique_lock<std::mutex> lock(mu_);
-  cv_.wait(lock, [&] { return queue_.empty() && !busy_; });
+  cv_.wait(lock, [&] {
+    if (!queue_.empty() || busy_) return false;
+    if (growth_ != Growth::kBackground || sweep_stopped_) return true;
+    std::size_t n = sweep_next_;
+    while (n < num_chunks_ && (n < chunks_.size() && chunks_[n].state != State::kNone)) ++n;
+    return n >= num_chunks_;
+  });
 }
 
 std::size_t HostPool::allocated_bytes() const {

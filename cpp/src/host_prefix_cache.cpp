@@ -48,7 +48,7 @@ HostPrefixCache::HostPrefixCache(std::vector<Segment> segments, Device device, C
   // thread (see CacheConfig::pin_upfront).
   const auto growth = !alloc->allocation_is_slow() ? HostPool::Growth::kOnDemand
                       : config_.pin_upfront        ? HostPool::Growth::kUpFront
-                                                   : HostPool::Growth::kAhead;
+                                                   : HostPool::Growth::kBackground;
   page_pool_ = std::make_unique<HostPool>(layout_.page_bytes(), config_.capacity_pages,
                                           config_.pool_chunk_bytes, alloc, growth);
   if (config_.state_bytes > 0) {
@@ -77,19 +77,31 @@ void HostPrefixCache::touch_chain(const std::vector<Entry*>& chain) {
   }
 }
 
-std::uint64_t HostPrefixCache::root_serial(std::string_view salt) {
-  auto [it, inserted] = roots_.try_emplace(std::string(salt), 0);
-  if (inserted) it->second = next_serial_++;
-  return it->second;
+std::uint64_t HostPrefixCache::intern_root(std::string_view salt) {
+  if (auto it = roots_.find(salt); it != roots_.end()) return it->second;
+  // A salt costs memory only while a page uses it: roots no page 0 names any more are dropped
+  // here, each time the map has doubled, so a server with per-request salts stays bounded.
+  if (roots_.size() >= roots_sweep_at_) {
+    std::erase_if(roots_, [&](const auto& r) { return !pages_.has_children(r.second); });
+    roots_sweep_at_ = std::max<std::size_t>(64, 2 * roots_.size());
+  }
+  return roots_.emplace(std::string(salt), next_serial_++).first->second;
+}
+
+std::uint64_t HostPrefixCache::find_root(std::string_view salt) const {
+  auto it = roots_.find(salt);
+  return it == roots_.end() ? 0 : it->second;
 }
 
 void HostPrefixCache::note_request(std::string_view request_id) {
   requests_.try_emplace(std::string(request_id), 0);
 }
 
-std::byte* HostPrefixCache::host_slot(HostPool& pool, std::int64_t slot) {
+std::byte* HostPrefixCache::host_slot(HostPool& pool, std::int64_t slot, bool& unpinned) {
   try {
-    return pool.slot(slot);  // nullptr while its chunk is still being pinned
+    std::byte* p = pool.slot(slot);
+    unpinned = unpinned || p == nullptr;  // its chunk is not pinned yet
+    return p;
   } catch (const Error& err) {
     note_error(err.what());  // the allocation failed: counted, and the store skips
     return nullptr;
@@ -108,18 +120,20 @@ void HostPrefixCache::note_error(const std::string& what) {
   }
 }
 
-void HostPrefixCache::register_transfer(Transfer t, StreamHandle stream, bool failed) {
+HostPrefixCache::Transfer* HostPrefixCache::register_transfer(Transfer t, StreamHandle stream,
+                                                              bool failed) {
   try {
     t.fence = copier_->record(stream);
   } catch (const Error& e) {
     // Without a fence nobody can tell when the enqueued copies finish: the entries stay held so
     // their slots are never reused under a copy.
     note_error(e.what());
-    return;
+    return nullptr;
   }
   if (failed && t.is_store) t.discard = true;
   ++requests_[t.request];
   transfers_.push_back(std::move(t));
+  return &transfers_.back();
 }
 
 void HostPrefixCache::finish(Transfer& t) {
@@ -143,6 +157,10 @@ void HostPrefixCache::finish(Transfer& t) {
 std::int64_t HostPrefixCache::retire_completed() {
   std::int64_t n = 0;
   for (auto it = transfers_.begin(); it != transfers_.end();) {
+    if (it->open) {  // its store() is still running: it decides whether to publish
+      ++it;
+      continue;
+    }
     bool done = false;
     try {
       done = it->fence->done();
@@ -207,8 +225,8 @@ std::int64_t HostPrefixCache::try_resume(std::string_view request_id,
   std::vector<Entry*> matched;
   for (;;) {
     matched.clear();
-    std::uint64_t parent = root_serial(chain_salt);
-    for (std::size_t i = 0; i < keys.size(); ++i) {
+    std::uint64_t parent = find_root(chain_salt);  // 0: no page under this salt, a miss
+    for (std::size_t i = 0; parent != 0 && i < keys.size(); ++i) {
       Entry* e = pages_.find(keys[i]);
       const auto page =
           prompt.subspan(i * static_cast<std::size_t>(B), static_cast<std::size_t>(B));
@@ -337,14 +355,27 @@ std::int64_t HostPrefixCache::store(std::string_view request_id,
   if (disabled_) return 0;
   ++stats_.stores;
 
+  // Transfers of this call stay open (never retired, so never published) until it returns; if
+  // it throws (a state buffer of the wrong size, an exception from state_export), they are
+  // discarded: a store that raises publishes nothing.
+  std::vector<Transfer*> opened;
+  auto close = [&](bool discard) {
+    for (Transfer* t : opened) {
+      t->open = false;
+      t->discard = t->discard || discard;
+    }
+  };
+
   Transfer t;
   t.request = std::string(request_id);
   t.is_store = true;
+  t.open = true;
   std::vector<PageMove> moves;
   std::vector<Entry*> chain;  // every page of the prompt's chain now in the index
   std::vector<Entry*> held;   // existing pages pinned while the walk may evict
   bool skipped = false;
-  std::uint64_t parent = root_serial(chain_salt);
+  bool unpinned = false;  // stopped at a slot whose memory is not pinned yet
+  std::uint64_t parent = n_full > 0 ? intern_root(chain_salt) : 0;
   for (std::int64_t i = 0; i < n_full; ++i) {
     const auto page = tokens.subspan(static_cast<std::size_t>(i * B), static_cast<std::size_t>(B));
     const Key& key = keys[static_cast<std::size_t>(i)];
@@ -374,7 +405,7 @@ std::int64_t HostPrefixCache::store(std::string_view request_id,
       skipped = true;
       break;
     }
-    std::byte* host = host_slot(*page_pool_, e->slot);
+    std::byte* host = host_slot(*page_pool_, e->slot, unpinned);
     if (host == nullptr) {
       pages_.unpin(e);
       pages_.erase(e);
@@ -397,9 +428,10 @@ std::int64_t HostPrefixCache::store(std::string_view request_id,
       note_error(err.what());
       failed = true;
     }
-    register_transfer(std::move(t), stream, failed);
+    if (Transfer* r = register_transfer(std::move(t), stream, failed)) opened.push_back(r);
     if (failed) {
       for (Entry* e : held) pages_.unpin(e);
+      close(false);
       return 0;
     }
     note_success();
@@ -413,25 +445,36 @@ std::int64_t HostPrefixCache::store(std::string_view request_id,
     std::vector<std::uint64_t> serials;
     serials.reserve(chain.size());
     for (Entry* e : chain) serials.push_back(e->serial);
-    for (std::int64_t j = 0; j < config_.state_lookback; ++j) {
-      const std::int64_t idx = n_full - 1 - j;
-      if (idx < 0) break;
-      if (idx >= static_cast<std::int64_t>(serials.size())) continue;  // its page is not cached
-      const auto u = static_cast<std::size_t>(idx);
-      if (!store_state(request_id, keys[u], serials[u], (idx + 1) * B, stream, state_export,
-                       lock)) {
-        skipped = true;
+    try {
+      for (std::int64_t j = 0; j < config_.state_lookback; ++j) {
+        const std::int64_t idx = n_full - 1 - j;
+        if (idx < 0) break;
+        if (idx >= static_cast<std::int64_t>(serials.size())) continue;  // page not cached
+        const auto u = static_cast<std::size_t>(idx);
+        if (!store_state(request_id, keys[u], serials[u], (idx + 1) * B, stream, state_export,
+                         lock, opened, unpinned)) {
+          skipped = true;
+        }
       }
+    } catch (...) {
+      close(true);
+      throw;
     }
   }
-  if (skipped) ++stats_.store_skips;
+  close(false);
+  if (unpinned) {
+    ++stats_.store_skips_unpinned;
+  } else if (skipped) {
+    ++stats_.store_skips;
+  }
   return new_pages;
 }
 
 bool HostPrefixCache::store_state(std::string_view request_id, const Key& key,
                                   std::uint64_t page_serial, std::int64_t position,
                                   StreamHandle stream, const StateExportFn& state_export,
-                                  std::unique_lock<std::mutex>& lock) {
+                                  std::unique_lock<std::mutex>& lock,
+                                  std::vector<Transfer*>& opened, bool& unpinned) {
   if (Entry* s = states_.find(key); s != nullptr && s->parent_serial == page_serial) {
     states_.touch(s);
     return true;
@@ -451,7 +494,7 @@ bool HostPrefixCache::store_state(std::string_view request_id, const Key& key,
     throw std::invalid_argument("state_export(" + std::to_string(position) + ") must return " +
                                 std::to_string(config_.state_bytes) + " bytes on " +
                                 layout_.device().str() + " (got " + std::to_string(buf->bytes) +
-                                " bytes on " + buf->device.str() + ")");
+                                " bytes on " + buf->device.str() + "); nothing was stored");
   }
   if (disabled_) return true;
   if (Entry* s = states_.find(key); s != nullptr) {  // again: the lock was released
@@ -464,7 +507,7 @@ bool HostPrefixCache::store_state(std::string_view request_id, const Key& key,
   }
   Entry* e = states_.insert(key, next_serial_++, page_serial);
   if (e == nullptr) return false;
-  std::byte* host = host_slot(*state_pool_, e->slot);
+  std::byte* host = host_slot(*state_pool_, e->slot, unpinned);
   if (host == nullptr) {
     states_.unpin(e);
     states_.erase(e);
@@ -473,6 +516,7 @@ bool HostPrefixCache::store_state(std::string_view request_id, const Key& key,
   Transfer t;
   t.request = std::string(request_id);
   t.is_store = true;
+  t.open = true;
   t.states.push_back(e);
   bool failed = false;
   try {
@@ -481,7 +525,7 @@ bool HostPrefixCache::store_state(std::string_view request_id, const Key& key,
     note_error(err.what());
     failed = true;
   }
-  register_transfer(std::move(t), stream, failed);
+  if (Transfer* r = register_transfer(std::move(t), stream, failed)) opened.push_back(r);
   if (failed) return false;
   note_success();
   ++stats_.states_stored;
@@ -524,6 +568,7 @@ CacheStats HostPrefixCache::stats() const {
   s.host_bytes = static_cast<std::int64_t>(page_pool_->allocated_bytes() +
                                            (state_pool_ ? state_pool_->allocated_bytes() : 0));
   s.requests = static_cast<std::int64_t>(requests_.size());
+  s.salts = static_cast<std::int64_t>(roots_.size());
   return s;
 }
 

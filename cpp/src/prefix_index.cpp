@@ -8,8 +8,8 @@ namespace hicache {
 PrefixIndex::PrefixIndex(std::int64_t capacity, EvictionPolicy policy)
     : capacity_(capacity), policy_(policy) {
   if (capacity < 0) throw std::invalid_argument("index capacity must be >= 0");
-  // Reserve for a full pool, but not for an "unbounded" one (replay uses huge capacities).
-  map_.reserve(static_cast<std::size_t>(std::min<std::int64_t>(capacity, std::int64_t{1} << 22)));
+  // Nothing is sized from the capacity: an idle cache of any capacity costs a few bytes, and the
+  // map grows with what is stored (rehashing keeps entries where they are).
 }
 
 Entry* PrefixIndex::find(const Key& key) {

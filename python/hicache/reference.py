@@ -83,6 +83,7 @@ class _Transfer:
     pages: list[_Entry] = field(default_factory=list)
     states: list[_Entry] = field(default_factory=list)
     discard: bool = False
+    open: bool = False  # its store() is still running: not retired, so never published yet
 
 
 class _Stream:
@@ -191,7 +192,7 @@ class ReferenceCache:
     def _retire(self) -> int:
         n = 0
         for t in list(self.transfers):
-            if self.streams[t.stream].completed < t.serial:
+            if t.open or self.streams[t.stream].completed < t.serial:
                 continue
             for index, entries in ((self.pages, t.pages), (self.states, t.states)):
                 for e in entries:
@@ -360,23 +361,31 @@ class ReferenceCache:
         if moves:
             batch = list(moves)  # one copy op per batch, as the copiers do
             self._enqueue(stream, lambda: [setattr(e, "data", self._read_page(b)) for b, e in batch])
-            self._register(_Transfer(request_id, True, stream, self._record(stream), new))
+            self._register(_Transfer(request_id, True, stream, self._record(stream), new, open=True))
         for e in held:
             e.refs -= 1
         self._touch_chain(chain)
         self.c["pages_stored"] += len(moves)
-        if self.state_bytes > 0 and state_export is not None:
-            serials = [e.serial for e in chain]
-            for j in range(self.state_lookback):
-                idx = n_full - 1 - j
-                if idx < 0:
-                    break
-                if idx >= len(serials):
-                    continue
-                if not self._store_state(
-                    request_id, keys[idx], serials[idx], (idx + 1) * B, stream, state_export
-                ):
-                    skipped = True
+        try:
+            if self.state_bytes > 0 and state_export is not None:
+                serials = [e.serial for e in chain]
+                for j in range(self.state_lookback):
+                    idx = n_full - 1 - j
+                    if idx < 0:
+                        break
+                    if idx >= len(serials):
+                        continue
+                    if not self._store_state(
+                        request_id, keys[idx], serials[idx], (idx + 1) * B, stream, state_export
+                    ):
+                        skipped = True
+        except BaseException:
+            for t in self.transfers:  # still open: this call's; a store that raises publishes nothing
+                if t.open:
+                    t.open, t.discard = False, True
+            raise
+        for t in self.transfers:  # a nested store (from state_export) closed its own already
+            t.open = False
         if skipped:
             self.c["store_skips"] += 1
         return len(moves)
@@ -408,7 +417,7 @@ class ReferenceCache:
             return False
         src = buf
         self._enqueue(stream, lambda: setattr(e, "data", src.tobytes()))
-        self._register(_Transfer(request_id, True, stream, self._record(stream), [], [e]))
+        self._register(_Transfer(request_id, True, stream, self._record(stream), [], [e], open=True))
         self.c["states_stored"] += 1
         return True
 

@@ -100,7 +100,7 @@ class GatedAllocator : public hicache::HostAllocator {
 
 TEST(HostPool, AheadModeAllocatesTheFirstChunkUpFrontAndTheNextInTheBackground) {
   auto alloc = std::make_shared<GatedAllocator>();
-  hicache::HostPool pool(1024, 8, 4096, alloc, hicache::HostPool::Growth::kAhead);
+  hicache::HostPool pool(1024, 8, 4096, alloc, hicache::HostPool::Growth::kBackground);
   EXPECT_EQ(pool.allocated_bytes(), 4096u);  // chunk 0, by the constructor
   EXPECT_NE(pool.slot(0), nullptr);          // ... and chunk 1 is now requested
   EXPECT_EQ(pool.slot(4), nullptr);          // still being allocated: never blocks
@@ -112,7 +112,7 @@ TEST(HostPool, AheadModeAllocatesTheFirstChunkUpFrontAndTheNextInTheBackground) 
 
 TEST(HostPool, AheadModeReportsABackgroundFailureOnceThenRetries) {
   auto alloc = std::make_shared<GatedAllocator>();
-  hicache::HostPool pool(1024, 8, 4096, alloc, hicache::HostPool::Growth::kAhead);
+  hicache::HostPool pool(1024, 8, 4096, alloc, hicache::HostPool::Growth::kBackground);
   alloc->fail_next = true;
   alloc->release();
   EXPECT_EQ(pool.slot(4), nullptr);  // requests chunk 1, which fails in the background

@@ -563,7 +563,8 @@ TEST(HostPrefixCache, StoresIntoAChunkStillBeingPinnedAreSkippedNotBlocked) {
   HostPrefixCache cache(eng.segments(), {}, c, std::make_shared<hicache::CpuCopier>(alloc));
   EXPECT_EQ(cache.store("a", tokens(3 * 16 + 1), ids(0, 4)), 2);  // third page: chunk 1 not ready
   auto s = cache.stats();
-  EXPECT_EQ(s.store_skips, 1);
+  EXPECT_EQ(s.store_skips_unpinned, 1);  // counted apart from a busy pool's skips
+  EXPECT_EQ(s.store_skips, 0);
   EXPECT_EQ(s.errors, 0);
   EXPECT_EQ(s.pages_used, 2);
   {
@@ -578,33 +579,177 @@ TEST(HostPrefixCache, StoresIntoAChunkStillBeingPinnedAreSkippedNotBlocked) {
   EXPECT_EQ(cache.try_resume("b", tokens(3 * 16 + 1), give(ids(8, 3))), 48);
 }
 
-TEST(HostPrefixCache, SlowPoolsPinOneChunkAtFirstOrEverythingWhenAskedUpFront) {
-  class CountingPinned : public hicache::HostAllocator {
-   public:
-    void* allocate(std::size_t bytes) override {
-      ++calls;
-      return inner->allocate(bytes);
-    }
-    void deallocate(void* p, std::size_t n) noexcept override { inner->deallocate(p, n); }
-    const char* name() const override { return "pinned"; }
-    bool allocation_is_slow() const override { return true; }
-    std::shared_ptr<hicache::HostAllocator> inner = hicache::make_aligned_host_allocator();
-    int calls = 0;
-  };
+namespace {
+
+// A pinned allocator as the cache sees one: slow (each allocation takes `delay`), counted.
+class SlowPinned : public hicache::HostAllocator {
+ public:
+  explicit SlowPinned(std::chrono::milliseconds delay = std::chrono::milliseconds(0))
+      : delay_(delay) {}
+  void* allocate(std::size_t bytes) override {
+    std::this_thread::sleep_for(delay_);
+    ++calls;
+    return inner->allocate(bytes);
+  }
+  void deallocate(void* p, std::size_t n) noexcept override { inner->deallocate(p, n); }
+  const char* name() const override { return "pinned"; }
+  bool allocation_is_slow() const override { return true; }
+  bool room_for(std::size_t) const override { return calls < room_for_calls; }
+  std::shared_ptr<hicache::HostAllocator> inner = hicache::make_aligned_host_allocator();
+  std::atomic<int> calls = 0;
+  int room_for_calls = 1 << 30;  // the "machine" has room for this many chunks ahead of need
+
+ private:
+  std::chrono::milliseconds delay_;
+};
+
+// Polls stats until pred holds or 10 s pass.
+template <typename Pred>
+bool eventually(const HostPrefixCache& cache, Pred pred) {
+  for (int i = 0; i < 10000; ++i) {
+    if (pred(cache.stats())) return true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  return false;
+}
+
+}  // namespace
+
+TEST(HostPrefixCache, SlowPoolsPinTheFirstChunkAtOnceTheRestInTheBackgroundOrAllUpFront) {
   FakeEngine eng(16, {256});
   CacheConfig c = small_config(8);
   c.pool_chunk_bytes = 512;
   {
-    auto lazy = std::make_shared<CountingPinned>();
+    auto lazy = std::make_shared<SlowPinned>();
     HostPrefixCache cache(eng.segments(), {}, c, std::make_shared<hicache::CpuCopier>(lazy));
-    EXPECT_EQ(lazy->calls, 1);  // by default only the first chunk, at construction
-    EXPECT_EQ(cache.stats().host_bytes, 2 * 256);
+    EXPECT_GE(cache.stats().host_bytes, 2 * 256);  // the first chunk, by the constructor
+    // ... and the rest with no store at all: the pool does not wait for traffic to grow.
+    EXPECT_TRUE(eventually(cache, [](const auto& s) { return s.host_bytes == 8 * 256; }));
+    EXPECT_EQ(lazy->calls, 4);
   }
   c.pin_upfront = true;
-  auto alloc = std::make_shared<CountingPinned>();
+  auto alloc = std::make_shared<SlowPinned>();
   HostPrefixCache cache(eng.segments(), {}, c, std::make_shared<hicache::CpuCopier>(alloc));
   EXPECT_EQ(alloc->calls, 4);  // every chunk, before any store
   EXPECT_EQ(cache.stats().host_bytes, 8 * 256);
   EXPECT_EQ(cache.store("a", tokens(8 * 16 + 1), ids(0, 9)), 8);
   EXPECT_EQ(alloc->calls, 4);
+}
+
+TEST(HostPrefixCache, APoolOfManyChunksIsWholeSoonAfterStartAndStoresOfSeveralChunksAreNotCut) {
+  // 8 chunks of 2 pages, 1 ms to pin each; a store of 5 new pages (more than two chunks) every
+  // 20 ms. Grown one chunk per burst of stores (the old behaviour), the pool cut short most of
+  // the first stores; pinned ahead of demand it is whole before the second store, after which
+  // no store is cut short for want of pinned memory.
+  FakeEngine eng(16, {256});
+  CacheConfig c = small_config(16);
+  c.pool_chunk_bytes = 512;
+  auto alloc = std::make_shared<SlowPinned>(std::chrono::milliseconds(1));
+  HostPrefixCache cache(eng.segments(), {}, c, std::make_shared<hicache::CpuCopier>(alloc));
+  int cut = 0;
+  for (int round = 1; round <= 10; ++round) {
+    auto prompt = tokens(5 * 16 + 1);
+    for (auto& t : prompt) t += 1000 * round;  // a new prompt every round
+    cut += cache.store("r" + std::to_string(round), prompt, ids(0, 6)) < 5 ? 1 : 0;
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  EXPECT_LE(cut, 1);  // at most the first, sent 0 ms after start-up
+  EXPECT_EQ(cache.stats().store_skips_unpinned, cut);
+  EXPECT_EQ(cache.stats().store_skips, 0);
+  EXPECT_EQ(cache.stats().host_bytes, 16 * 256);
+}
+
+TEST(HostPrefixCache, BackgroundPinningStopsWhileHostMemoryIsShortThenPinsOnDemand) {
+  FakeEngine eng(16, {256});
+  CacheConfig c = small_config(8);
+  c.pool_chunk_bytes = 512;
+  auto alloc = std::make_shared<SlowPinned>();
+  alloc->room_for_calls = 2;  // room ahead of need for one chunk besides the first
+  HostPrefixCache cache(eng.segments(), {}, c, std::make_shared<hicache::CpuCopier>(alloc));
+  EXPECT_TRUE(eventually(cache, [](const auto& s) { return s.host_bytes == 4 * 256; }));
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  EXPECT_EQ(cache.stats().host_bytes, 4 * 256);  // stopped there
+  // A store reaching past the pinned part asks for the next chunk, which then comes.
+  EXPECT_EQ(cache.store("a", tokens(6 * 16 + 1), ids(0, 7)), 4);
+  EXPECT_EQ(cache.stats().store_skips_unpinned, 1);
+  EXPECT_TRUE(eventually(cache, [](const auto& s) { return s.host_bytes == 6 * 256; }));
+  EXPECT_EQ(cache.store("a", tokens(6 * 16 + 1), ids(0, 7)), 2);
+}
+
+// --- hostile input, round 2 ----------------------------------------------------------------------
+
+TEST(HostPrefixCache, AStoreThatRaisesPublishesNothingEvenIfPolledFromItsOwnCallback) {
+  FakeEngine eng(8, {64});
+  CacheConfig c = small_config(8);
+  c.state_bytes = 8;
+  c.capacity_states = 4;
+  HostPrefixCache cache(eng.segments(), {}, c);
+  std::vector<std::uint8_t> wrong(5), right(8, 1);
+  const auto prompt = tokens(3 * 16 + 1);
+  // The engine polls from inside its export (callbacks may call the cache), which would retire
+  // and publish the pages already copied, then hands back a buffer of the wrong size.
+  auto bad_export = [&](std::int64_t) -> std::optional<hicache::DeviceBuffer> {
+    cache.poll();
+    return hicache::DeviceBuffer{wrong.data(), wrong.size(), {}};
+  };
+  EXPECT_THROW(cache.store("a", prompt, ids(0, 4), nullptr, bad_export), std::invalid_argument);
+  // An exception of the engine's own, on the second boundary: the first state's copy was
+  // enqueued, and is discarded with the pages.
+  int calls = 0;
+  auto throwing_export = [&](std::int64_t) -> std::optional<hicache::DeviceBuffer> {
+    if (++calls == 2) throw std::runtime_error("engine: state ring corrupted");
+    return hicache::DeviceBuffer{right.data(), right.size(), {}};
+  };
+  EXPECT_THROW(cache.store("b", prompt, ids(0, 4), nullptr, throwing_export), std::runtime_error);
+  cache.poll();
+  std::vector<std::uint8_t> out(8);
+  hicache::DeviceBuffer out_buf{out.data(), out.size(), {}};
+  EXPECT_EQ(cache.try_resume("c", prompt, give(ids(4, 3)), nullptr, out_buf), 0);
+  auto s = cache.stats();
+  EXPECT_EQ(s.pages_used, 0);
+  EXPECT_EQ(s.states_used, 0);
+  EXPECT_EQ(s.pages_busy + s.states_busy, 0);
+  EXPECT_EQ(s.transfers_in_flight, 0);
+  // The cache still works: a good store publishes.
+  auto good_export = [&](std::int64_t) -> std::optional<hicache::DeviceBuffer> {
+    return hicache::DeviceBuffer{right.data(), right.size(), {}};
+  };
+  cache.store("d", prompt, ids(0, 4), nullptr, good_export);
+  cache.poll();
+  EXPECT_EQ(cache.try_resume("e", prompt, give(ids(4, 3)), nullptr, out_buf), 48);
+}
+
+TEST(HostPrefixCache, SaltsCostNothingOnceNoPageUsesThem) {
+  FakeEngine eng(8, {64});
+  HostPrefixCache cache(eng.segments(), {}, small_config(4));
+  const std::string big(4096, 'x');
+  // Lookups never keep a salt, hit or miss.
+  for (int i = 0; i < 5000; ++i) {
+    const std::string salt = big + std::to_string(i);
+    EXPECT_EQ(cache.try_resume("r", tokens(40), give(ids(0, 2)), nullptr, std::nullopt, salt), 0);
+  }
+  EXPECT_EQ(cache.stats().salts, 0);
+  // Stores keep a salt while a page uses it; once evicted, it goes at the next sweep.
+  for (int i = 0; i < 5000; ++i) {
+    const std::string salt = big + std::to_string(i);
+    cache.store("w", tokens(17), ids(0, 2), nullptr, {}, salt);
+  }
+  EXPECT_LE(cache.stats().salts, 2 * 4 + 64);
+  EXPECT_EQ(cache.stats().pages_used, 4);
+  // The salts still in use still serve their pages, and only to themselves.
+  const std::string last = big + "4999";
+  EXPECT_EQ(cache.try_resume("h", tokens(17), give(ids(4, 1)), nullptr, std::nullopt, last), 16);
+  EXPECT_EQ(cache.try_resume("m", tokens(17), give(ids(4, 1)), nullptr, std::nullopt, big), 0);
+}
+
+TEST(HostPrefixCache, HugeCapacitiesCostNothingUntilUsed) {
+  FakeEngine eng(8, {16384});
+  for (std::int64_t capacity : {std::int64_t{1} << 32, std::int64_t{1} << 40, INT64_MAX}) {
+    CacheConfig c = small_config(capacity);
+    HostPrefixCache cache(eng.segments(), {}, c);
+    EXPECT_EQ(cache.stats().host_bytes, 0);
+    EXPECT_EQ(cache.store("a", tokens(33), ids(0, 3)), 2);
+    EXPECT_EQ(cache.try_resume("b", tokens(33), give(ids(4, 2))), 32);
+    EXPECT_EQ(cache.stats().host_bytes, 1 << 30);  // one chunk
+  }
 }

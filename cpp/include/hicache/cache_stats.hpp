@@ -16,6 +16,9 @@ struct CacheStats {
   // store
   std::int64_t stores = 0;       ///< store calls
   std::int64_t store_skips = 0;  ///< store calls that could not keep every full block (pool busy)
+  /// store calls cut short at a slot whose host memory was not pinned yet (pinning in the
+  /// background had not caught up); not counted in store_skips
+  std::int64_t store_skips_unpinned = 0;
   std::int64_t collisions = 0;   ///< chain keys found holding other tokens
   // transfers
   std::int64_t pages_stored = 0;
@@ -32,8 +35,9 @@ struct CacheStats {
   std::int64_t states_used = 0;
   std::int64_t states_capacity = 0;
   std::int64_t states_busy = 0;
-  std::int64_t host_bytes = 0;  ///< host memory allocated so far
+  std::int64_t host_bytes = 0;  ///< host memory allocated (pinned, for a GPU cache) so far
   std::int64_t requests = 0;    ///< requests known (seen and not forgotten)
+  std::int64_t salts = 0;       ///< salts interned: those some cached page uses, and a few more
   // health
   std::int64_t errors = 0;
   bool disabled = false;

@@ -1,18 +1,22 @@
 #pragma once
-// Fixed-size host slots, allocated in chunks as they are needed.
+// Fixed-size host slots, allocated in chunks.
 //
-// A pool of N slots never allocates N * slot_bytes up front: an idle cache costs (almost)
-// nothing, and a huge pool is neither one giant allocation nor minutes of pinning at start-up.
-// Slots are rounded up to 256 bytes (alignment for vector copies), never to a power of two.
+// A pool of N slots never allocates N * slot_bytes at once, and its bookkeeping grows with the
+// chunks in use, never with N: an idle cache of any capacity costs a few bytes. Slots are rounded
+// up to 256 bytes (alignment for vector copies), never to a power of two.
 //
 // Growth modes:
-//  - kOnDemand: the chunk holding a slot is allocated by the first slot() call in it (CPU pools).
-//  - kAhead: for slow allocators (pinning runs at about 13 GB/s, so a 1 GiB chunk takes ~80 ms
-//    that the engine's thread should not pay). The first chunk is allocated by the constructor;
-//    each next chunk on a background thread as soon as the one before it is first used. slot()
-//    never blocks: it returns nullptr while its chunk is still being allocated, and the cache
-//    skips that store. Pinning does not wait for the GPU (measured on an H200: 48 ms for 256 MiB
-//    while a 100 ms kernel ran, 51 ms idle), so the background thread does not stall serving.
+//  - kOnDemand: the chunk holding a slot is allocated by the first slot() call in it (CPU pools,
+//    where allocation is cheap).
+//  - kBackground: for slow allocators (pinning runs at about 10-13 GB/s, so a 1 GiB chunk takes
+//    ~80 ms that the engine's thread must not pay). The constructor allocates the first chunk; a
+//    background thread then allocates the others, in slot order, one after another, until the
+//    pool is whole, so a pool is all there within seconds of start-up instead of growing one
+//    chunk per burst of stores. It stops early while the allocator reports too little host
+//    memory left (HostAllocator::room_for); the rest is then allocated when a slot in it is
+//    asked for. slot() never blocks: it returns nullptr while its chunk is not there yet, and
+//    the cache skips that store (counted). Pinning does not wait for the GPU (measured on an
+//    H200: 48 ms for 256 MiB while a 100 ms kernel ran, 51 ms idle).
 //  - kUpFront: every chunk is allocated by the constructor (predictable, nothing left to pin).
 
 #include <condition_variable>
@@ -36,8 +40,13 @@ class HostAllocator {
   virtual void deallocate(void* p, std::size_t bytes) noexcept = 0;
   virtual const char* name() const = 0;
   /// Whether allocate() is slow enough to keep off the engine's thread (pinning: about 50 ms per
-  /// 256 MiB on an H200 host); such pools grow ahead of use on a background thread.
+  /// 256 MiB on an H200 host); such pools are allocated on a background thread.
   virtual bool allocation_is_slow() const { return false; }
+  /// Whether `bytes` more can be allocated ahead of need without starving the machine: pinned
+  /// memory cannot be swapped, so a pool pinned in the background stops while this is false.
+  /// Default: at least max(2 GiB, 1/16 of the RAM) would stay available after it (Linux
+  /// /proc/meminfo; true where that cannot be read).
+  virtual bool room_for(std::size_t bytes) const;
 };
 
 /// Page-aligned memory from the C++ runtime.
@@ -46,24 +55,26 @@ std::shared_ptr<HostAllocator> make_aligned_host_allocator();
 class HostPool {
  public:
   static constexpr std::size_t kSlotAlign = 256;
-  enum class Growth { kOnDemand, kAhead, kUpFront };
+  enum class Growth { kOnDemand, kBackground, kUpFront };
 
   /// @param chunk_bytes target size of one allocation; a chunk holds at least one slot.
-  /// @throws std::invalid_argument for zero sizes; hicache::Error if kAhead cannot allocate the
-  ///         first chunk.
+  /// @throws std::invalid_argument for zero sizes; hicache::Error if kBackground or kUpFront
+  ///         cannot allocate what the constructor allocates.
   HostPool(std::size_t slot_bytes, std::int64_t num_slots, std::size_t chunk_bytes,
            std::shared_ptr<HostAllocator> allocator, Growth growth = Growth::kOnDemand);
   ~HostPool();
   HostPool(const HostPool&) = delete;
   HostPool& operator=(const HostPool&) = delete;
 
-  /// Address of slot i. kOnDemand: allocates its chunk on first use. kAhead: nullptr while the
-  /// chunk is being allocated in the background.
+  /// Address of slot i. kOnDemand: allocates its chunk on first use. kBackground: nullptr while
+  /// the chunk is not allocated yet (it is then asked for, if the background thread had stopped).
   /// @throws std::out_of_range for i outside [0, num_slots); hicache::Error if allocation failed
-  ///         (kAhead: the failure of the background attempt, which a later call retries).
+  ///         (kBackground: the failure of the background attempt, reported once; a later call
+  ///         asks again).
   std::byte* slot(std::int64_t i);
 
-  /// Blocks until every chunk requested so far is allocated or failed (tests, benchmarks).
+  /// Blocks until the background thread has nothing left to do: every chunk allocated, or it
+  /// stopped (a failure, too little host memory) with no chunk asked for (tests, benchmarks).
   void wait_idle();
 
   std::size_t slot_bytes() const { return slot_bytes_; }
@@ -74,25 +85,34 @@ class HostPool {
 
  private:
   enum class State { kNone, kRequested, kReady, kFailed };
+  struct Chunk {
+    std::byte* data = nullptr;
+    State state = State::kNone;
+    std::string failure;
+  };
   std::size_t chunk_size(std::size_t c) const;
-  void allocate_now(std::size_t c);  // caller holds mu_ (released while allocating in kAhead)
-  void request(std::size_t c);       // caller holds mu_
+  Chunk& chunk(std::size_t c);          // grows chunks_ to hold c; caller holds mu_
+  void allocate_now(std::size_t c);     // caller holds mu_
+  void request(std::size_t c);          // caller holds mu_
+  bool next_job(std::size_t& c);        // caller holds mu_: the chunk the thread pins next
+  void start_thread();                  // caller holds mu_
   void worker();
 
   std::size_t slot_bytes_;
   std::size_t slot_stride_;
   std::int64_t num_slots_;
   std::int64_t slots_per_chunk_;
+  std::size_t num_chunks_;
   std::shared_ptr<HostAllocator> allocator_;
   Growth growth_;
 
   mutable std::mutex mu_;
   std::condition_variable cv_;
-  std::vector<std::byte*> chunks_;
-  std::vector<State> state_;
-  std::vector<std::string> failure_;
+  std::vector<Chunk> chunks_;          // [0, highest chunk touched]; never sized from num_slots
   std::size_t allocated_bytes_ = 0;
-  std::vector<std::size_t> queue_;
+  std::vector<std::size_t> queue_;     // chunks asked for by slot(), pinned first
+  std::size_t sweep_next_ = 1;         // kBackground: next chunk the sweep pins
+  bool sweep_stopped_ = false;         // kBackground: a failure or low memory ended the sweep
   bool stopping_ = false;
   bool busy_ = false;
   std::thread thread_;

@@ -64,12 +64,17 @@ class HostPrefixCache {
                           std::optional<std::string_view> salt = std::nullopt);
 
   /// Write-through after prefill: enqueues on `stream` the copy of every full block of `tokens`
-  /// not yet cached (block_ids[i] holds tokens [i*B, (i+1)*B)), and asks `state_export` for the
-  /// state at the last state_lookback block boundaries not yet cached. Best effort: stops when
-  /// no slot can be freed (counted). Entries become hit-able once poll() sees the copy complete.
+  /// not yet cached (block_ids[i] holds tokens [i*B, (i+1)*B)), then asks `state_export` for
+  /// the state at each of the last state_lookback block boundaries not yet cached and enqueues
+  /// its copy before asking for the next (so the engine may return the same staging buffer each
+  /// time). Best effort: stops when no slot can be freed, or at a slot whose host memory is not
+  /// pinned yet (each counted). Entries become hit-able once poll() sees the copy complete.
   /// @return pages newly enqueued.
-  /// @throws std::invalid_argument if block_ids is shorter than the full blocks of tokens or a
-  ///         state buffer is the wrong size or device; std::out_of_range for a bad block id.
+  /// @throws std::invalid_argument if block_ids is shorter than the full blocks of tokens (or
+  ///         std::out_of_range for a bad block id): nothing is enqueued then. If a state buffer
+  ///         is the wrong size or device (std::invalid_argument) or state_export throws, the
+  ///         call raises and publishes nothing: copies it had enqueued into host slots are
+  ///         discarded when they complete, never served.
   std::int64_t store(std::string_view request_id, std::span<const std::int32_t> tokens,
                      std::span<const std::int64_t> block_ids, StreamHandle stream = nullptr,
                      const StateExportFn& state_export = {},
@@ -97,7 +102,8 @@ class HostPrefixCache {
   struct Transfer {
     std::string request;
     bool is_store = false;
-    bool discard = false;  // store of a forgotten request: drop instead of publishing
+    bool discard = false;  // store of a forgotten request, or one that raised: never published
+    bool open = false;     // its store() call is still running: not retired yet
     std::unique_ptr<Fence> fence;
     std::vector<Entry*> pages;
     std::vector<Entry*> states;
@@ -106,18 +112,25 @@ class HostPrefixCache {
   std::int64_t retire_completed();
   void touch_chain(const std::vector<Entry*>& chain);
   void finish(Transfer& t);
-  std::uint64_t root_serial(std::string_view salt);
+  // The serial of salt's chain root, created if needed (stores only).
+  std::uint64_t intern_root(std::string_view salt);
+  // 0 if no root exists for salt: lookups never create one, so a miss costs no memory.
+  std::uint64_t find_root(std::string_view salt) const;
+
   void note_request(std::string_view request_id);
   void note_error(const std::string& what);
-  // The slot's address, or nullptr if its memory is not there (yet): allocation errors counted.
-  std::byte* host_slot(HostPool& pool, std::int64_t slot);
+  // The slot's address, or nullptr if its memory is not there: not pinned yet (sets `unpinned`)
+  // or its allocation failed (counted as an error).
+  std::byte* host_slot(HostPool& pool, std::int64_t slot, bool& unpinned);
   void note_success() { consecutive_errors_ = 0; }
   // Registers what was enqueued so far; if no fence can be recorded the entries stay held
-  // forever (never reused while a copy might still touch them).
-  void register_transfer(Transfer t, StreamHandle stream, bool failed);
+  // forever (never reused while a copy might still touch them) and nullptr is returned.
+  Transfer* register_transfer(Transfer t, StreamHandle stream, bool failed);
+  // Adds the transfer it registers to `opened` (see store()).
   bool store_state(std::string_view request_id, const Key& key, std::uint64_t page_serial,
                    std::int64_t position, StreamHandle stream, const StateExportFn& state_export,
-                   std::unique_lock<std::mutex>& lock);
+                   std::unique_lock<std::mutex>& lock, std::vector<Transfer*>& opened,
+                   bool& unpinned);
 
   PageLayout layout_;
   CacheConfig config_;
@@ -130,7 +143,13 @@ class HostPrefixCache {
   PrefixIndex states_;
   std::list<Transfer> transfers_;
   std::unordered_map<std::string, std::int64_t> requests_;  // id -> transfers in flight
-  std::unordered_map<std::string, std::uint64_t> roots_;    // salt -> root serial
+  struct StringHash {
+    using is_transparent = void;
+    std::size_t operator()(std::string_view v) const { return std::hash<std::string_view>{}(v); }
+  };
+  // salt -> root serial, for salts that some page 0 uses (swept in intern_root)
+  std::unordered_map<std::string, std::uint64_t, StringHash, std::equal_to<>> roots_;
+  std::size_t roots_sweep_at_ = 64;
   std::uint64_t next_serial_ = 1;
   std::int64_t consecutive_errors_ = 0;
   bool disabled_ = false;

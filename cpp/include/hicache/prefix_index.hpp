@@ -66,6 +66,8 @@ class PrefixIndex {
   std::int64_t size() const { return static_cast<std::int64_t>(map_.size()); }
   std::int64_t capacity() const { return capacity_; }
   std::int64_t evictions() const { return evictions_; }
+  /// Whether some entry names `serial` as its parent (a salt root: whether any page 0 uses it).
+  bool has_children(std::uint64_t serial) const { return children_.count(serial) != 0; }
   /// Entries held by a transfer or pending their store.
   std::int64_t busy() const { return busy_; }
 
