@@ -47,6 +47,8 @@ hicache::Device device_of(const nb::ndarray<Ts...>& a, const std::string& what) 
 hicache::Segment segment_of(const nb::ndarray<>& a, std::size_t index) {
   const std::string what = "segment " + std::to_string(index);
   if (a.ndim() < 1) throw std::invalid_argument(what + ": needs a block dimension (ndim >= 1)");
+  if (a.shape(0) == 0) throw std::invalid_argument(what + " has no blocks (its first dimension is 0)");
+  if (a.size() == 0) throw std::invalid_argument(what + ": its blocks hold no bytes (a dimension is 0)");
   std::int64_t expected = 1;
   for (std::size_t d = a.ndim(); d-- > 1;) {
     if (a.shape(d) != 1 && a.stride(d) != expected) {

@@ -30,21 +30,20 @@ PageLayout::PageLayout(std::vector<Segment> segments, Device device)
   }
 }
 
-void PageLayout::check_block(std::int64_t block) const {
-  if (block < 0 || block >= num_blocks_) {
-    throw std::out_of_range("block id " + std::to_string(block) + " is outside [0, " +
-                            std::to_string(num_blocks_) + ")");
+void PageLayout::check_blocks(std::span<const std::int64_t> blocks, bool require_unique,
+                              std::string_view what) const {
+  for (std::int64_t b : blocks) {
+    if (b < 0 || b >= num_blocks_) {
+      throw std::out_of_range(std::string(what) + ": block id " + std::to_string(b) +
+                              " is outside [0, " + std::to_string(num_blocks_) + ")");
+    }
   }
-}
-
-void PageLayout::check_blocks(std::span<const std::int64_t> blocks, bool require_unique) const {
-  for (std::int64_t b : blocks) check_block(b);
   if (!require_unique) return;
   std::unordered_set<std::int64_t> seen;
   seen.reserve(blocks.size());
   for (std::int64_t b : blocks) {
     if (!seen.insert(b).second) {
-      throw std::invalid_argument("block id " + std::to_string(b) +
+      throw std::invalid_argument(std::string(what) + ": block id " + std::to_string(b) +
                                   " appears twice; each page needs its own block");
     }
   }

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
@@ -9,6 +10,7 @@ from . import _arrays
 from ._core import CacheStats
 from ._core import HostPrefixCache as _CoreCache
 
+_data_ptr = operator.methodcaller("data_ptr")
 ArrayLike = Any  # torch.Tensor, numpy.ndarray, or anything exporting DLPack
 Allocate = Callable[[int], "Sequence[int] | ArrayLike | None"]
 StateExport = Callable[[int], "ArrayLike | None"]
@@ -48,13 +50,17 @@ class HostPrefixCache:
             cache's own, ordered after the caller's stream, so that beside compute their CTAs go
             first (on an H200 beside a bf16 matmul this gained nothing: see BENCHMARKS.md).
         pool_chunk_bytes: size of one host allocation.
-        pin_upfront: CUDA only. False (default): pin the first chunk now and each next one on a
-            background thread as the pool fills (stores that outrun the pinning are skipped and
-            counted). True: pin the whole pool now (about 13 GB/s on an H200 host).
+        pin_upfront: CUDA only. False (default): pin the first chunk now and the rest on a
+            background thread, one chunk after another until the pool is whole (stopping while
+            host memory runs short; stores that outrun the pinning are skipped and counted in
+            ``store_skips_unpinned``). True: pin the whole pool now (about 13 GB/s on an H200
+            host).
         key_bits: tests only; fewer than 128 bits force hash collisions.
 
     Raises:
-        ValueError: bad layout or configuration. Host memory is allocated lazily, at first use.
+        ValueError / TypeError: a bad segment or keyword, named in the message. Host memory is
+        allocated at first use on the CPU; pinned pools (CUDA) are pinned from construction on,
+        in the background (the first chunk before this returns), until whole.
     """
 
     def __init__(
@@ -80,23 +86,58 @@ class HostPrefixCache:
         eviction: Eviction = "leaf-first",
         key_bits: int = 128,
     ) -> None:
-        segs = [segments] if hasattr(segments, "shape") else list(segments)
+        if segments is None or isinstance(segments, (str, bytes)):
+            raise TypeError(
+                f"segments must be a tensor or a sequence of tensors, not {_arrays.show(segments)}"
+            )
+        segs = [segments] if hasattr(segments, "shape") or hasattr(segments, "__dlpack__") else None
+        if segs is None:
+            try:
+                segs = list(segments)
+            except TypeError:
+                raise TypeError(
+                    f"segments must be a tensor or a sequence of tensors, not {_arrays.show(segments)}"
+                ) from None
         if not segs:
-            raise ValueError("at least one KV segment is required")
+            raise ValueError("segments: at least one KV segment is required")
+        i64 = 2**63 - 1
+        block_tokens = _arrays.int_arg("block_tokens", block_tokens, 1, i64)
         if (capacity_pages is None) == (host_bytes is None):
             raise ValueError("give exactly one of capacity_pages and host_bytes")
+        keep_tokens = _arrays.int_arg("keep_tokens", keep_tokens, 1, i64)
+        state_bytes = _arrays.int_arg("state_bytes", state_bytes, 0, i64)
+        capacity_states = _arrays.int_arg("capacity_states", capacity_states, 0, i64)
+        state_lookback = _arrays.int_arg("state_lookback", state_lookback, 0, i64)
+        error_limit = _arrays.int_arg("error_limit", error_limit, 1, i64)
+        key_bits = _arrays.int_arg("key_bits", key_bits, 1, 128)
+        cuda_blocks = _arrays.int_arg("cuda_blocks", cuda_blocks, 1, 1024)
+        cuda_staging_bytes = _arrays.int_arg("cuda_staging_bytes", cuda_staging_bytes, 0, 2**64 - 1)
+        cuda_staging_windows = _arrays.int_arg("cuda_staging_windows", cuda_staging_windows, 2, 64)
+        pool_chunk_bytes = _arrays.int_arg("pool_chunk_bytes", pool_chunk_bytes, 1, 2**64 - 1)
+        cuda_staging_priority = _arrays.bool_arg("cuda_staging_priority", cuda_staging_priority)
+        pin_upfront = _arrays.bool_arg("pin_upfront", pin_upfront)
+        copier = _arrays.choice_arg("copier", copier, ("auto", "cpu", "cuda", "deferred", "null"))  # type: ignore[assignment]
+        eviction = _arrays.choice_arg("eviction", eviction, ("leaf-first", "lru"))  # type: ignore[assignment]
+        salt_bytes = _arrays.as_salt(salt)
+        if salt_bytes is None:
+            raise TypeError("salt must be bytes or str, not None")
+        capsules = [_arrays.dlpack_arg(s, f"segment {i}", writable=True) for i, s in enumerate(segs)]
         if host_bytes is not None:
-            page = sum(_arrays.block_bytes(s) for s in segs)
+            host_bytes = _arrays.int_arg("host_bytes", host_bytes, 1, i64)
+            page = sum(_arrays.block_bytes(s) for s in segs if hasattr(s, "shape"))
             capacity_pages = host_bytes // page if page > 0 else 0
             if capacity_pages < 1:
                 raise ValueError(f"host_bytes={host_bytes} holds no page of {page} bytes")
-        if cuda_staging_bytes < 0:  # the core takes an unsigned size (a TypeError there)
-            raise ValueError(f"cuda_staging_bytes must be >= 0, not {cuda_staging_bytes}")
-        salt_bytes = _arrays.as_salt(salt)
-        assert salt_bytes is not None
+        capacity_pages = _arrays.int_arg("capacity_pages", capacity_pages, 1, i64)
         self._segments = segs
+        # Torch lets an engine reallocate a tensor in place (resize_, set_): the cache would then
+        # copy through a dangling pointer. Every call that copies first checks that each segment
+        # still points where it did (one data_ptr() a segment: ~6 us for 128 segments).
+        self._torch_segments = [(i, s) for i, s in enumerate(segs) if _arrays.is_torch_tensor(s)]
+        self._segment_ptrs = [s.data_ptr() for _, s in self._torch_segments]
+        self._segment_tensors = [s for _, s in self._torch_segments]
         self._core = _CoreCache(
-            segs,
+            capsules,
             block_tokens,
             capacity_pages,
             keep_tokens,
@@ -117,6 +158,18 @@ class HostPrefixCache:
         )
         self.block_tokens = block_tokens
         self.state_bytes = state_bytes
+
+    def _check_segments(self) -> None:
+        if self._segment_tensors and [*map(_data_ptr, self._segment_tensors)] != self._segment_ptrs:
+            moved = next(
+                i
+                for (i, s), p in zip(self._torch_segments, self._segment_ptrs, strict=True)
+                if s.data_ptr() != p
+            )
+            raise ValueError(
+                f"segment {moved} no longer points to the memory the cache was built over (resized "
+                "or re-set after construction?); build a new cache over the engine's current KV tensors"
+            )
 
     def try_resume(
         self,
@@ -141,22 +194,25 @@ class HostPrefixCache:
             raised), -1 if ``allocate`` deferred.
 
         Raises:
-            ValueError / TypeError / IndexError: bad prompt, ``state_out`` or ``allocate`` result;
-            nothing is copied then.
+            ValueError / TypeError / IndexError: a bad argument or ``allocate`` result, named in
+            the message; nothing is copied then. Whatever ``allocate`` itself raises.
         """
+        rid = _arrays.as_request_id(request_id)
+        tokens = _arrays.as_tokens(prompt, "prompt")
+        _arrays.callable_arg("allocate", allocate, "tokens -> block ids or None")
+        handle = _arrays.stream_handle(stream, self._segments)
+        out = None if state_out is None else _arrays.dlpack_arg(state_out, "state_out", writable=True)
+        chain_salt = _arrays.as_salt(salt)
 
         def alloc(n: int) -> list[int] | None:
             got = allocate(n)
-            return None if got is None else _arrays.block_id_list(got)
+            if got is None:
+                return None
+            blocks = _arrays.block_id_list(got, f"allocate({n})'s result")
+            self._check_segments()  # on a hit only, just before the copies: a miss costs nothing
+            return blocks
 
-        return self._core.try_resume(
-            _arrays.as_request_id(request_id),
-            _arrays.as_tokens(prompt, "prompt"),
-            alloc,
-            _arrays.stream_handle(stream, self._segments),
-            state_out,
-            _arrays.as_salt(salt),
-        )
+        return self._core.try_resume(rid, tokens, alloc, handle, out, chain_salt)
 
     def store(
         self,
@@ -172,20 +228,35 @@ class HostPrefixCache:
 
         ``block_ids[i]`` holds tokens ``[i*B, (i+1)*B)``. ``state_export(pos)`` returns the
         engine's state at ``pos`` (a tensor of ``state_bytes`` bytes) or None; the tensor must
-        stay valid in stream order until the copy ran. Entries become hit-able after
-        :meth:`poll` sees the copy complete. Best effort: stops when no slot is free (counted).
+        stay valid in stream order until the copy ran (its copy is enqueued before the next
+        position is asked for, so one staging tensor may serve every call). Entries become
+        hit-able after :meth:`poll` sees the copy complete. Best effort: stops when no slot is
+        free, or at host memory not pinned yet (both counted).
 
         Returns:
             pages newly enqueued.
+
+        Raises:
+            ValueError / TypeError / IndexError: a bad argument or ``state_export`` result, named
+            in the message. Whatever ``state_export`` itself raises. A call that raises
+            publishes nothing.
         """
-        return self._core.store(
-            _arrays.as_request_id(request_id),
-            _arrays.as_tokens(tokens, "tokens"),
-            _arrays.as_block_ids(block_ids),
-            _arrays.stream_handle(stream, self._segments),
-            state_export,
-            _arrays.as_salt(salt),
-        )
+        rid = _arrays.as_request_id(request_id)
+        toks = _arrays.as_tokens(tokens, "tokens")
+        blocks = _arrays.as_block_ids(block_ids)
+        handle = _arrays.stream_handle(stream, self._segments)
+        chain_salt = _arrays.as_salt(salt)
+        export = None
+        if state_export is not None:
+            _arrays.callable_arg("state_export", state_export, "position -> tensor or None")
+
+            def export(pos: int) -> Any:
+                buf = state_export(pos)
+                what = f"state_export({pos})'s result"
+                return None if buf is None else _arrays.dlpack_arg(buf, what, writable=False)
+
+        self._check_segments()
+        return self._core.store(rid, toks, blocks, handle, export, chain_salt)
 
     def poll(self) -> int:
         """Retire completed transfers (non-blocking). Returns how many were retired."""
@@ -213,6 +284,8 @@ class HostPrefixCache:
 
     def complete_transfers(self, stream: int | None = None) -> int:
         """Tests with ``copier="deferred"``: run queued copies (of one stream, or all)."""
+        if stream is not None:
+            stream = _arrays.int_arg("stream", stream, 0, 2**64 - 1)
         return self._core.complete_transfers(stream)
 
     def page_lru_order(self) -> list[bytes]:

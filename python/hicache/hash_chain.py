@@ -16,7 +16,10 @@ def chain_keys(
 ) -> list[bytes]:
     """16-byte keys of every full block of ``tokens`` (computed by the C++ core)."""
     salt_bytes = _arrays.as_salt(salt)
-    assert salt_bytes is not None
+    if salt_bytes is None:
+        raise TypeError("salt must be bytes or str, not None")
+    block_tokens = _arrays.int_arg("block_tokens", block_tokens, 1, 2**63 - 1)
+    key_bits = _arrays.int_arg("key_bits", key_bits, 1, 128)
     return _core.chain_keys(salt_bytes, _arrays.as_tokens(tokens), block_tokens, key_bits)
 
 

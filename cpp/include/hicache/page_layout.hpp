@@ -9,6 +9,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <span>
+#include <string_view>
 #include <vector>
 
 #include "hicache/device.hpp"
@@ -40,10 +41,10 @@ class PageLayout {
     return static_cast<std::byte*>(seg.base) + block * seg.block_stride;
   }
 
-  /// @throws std::out_of_range naming the block id if it is not in [0, num_blocks).
-  void check_block(std::int64_t block) const;
-  /// check_block on each id, and (if require_unique) no id twice.
-  void check_blocks(std::span<const std::int64_t> blocks, bool require_unique) const;
+  /// @throws std::out_of_range naming `what` (where the ids came from) and the block id if it is
+  ///         not in [0, num_blocks); std::invalid_argument if require_unique and an id repeats.
+  void check_blocks(std::span<const std::int64_t> blocks, bool require_unique,
+                    std::string_view what) const;
 
  private:
   std::vector<Segment> segments_;
