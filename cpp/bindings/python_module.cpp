@@ -303,7 +303,9 @@ NB_MODULE(_core, m) {
       .def(
           "complete_transfers",
           [](PyCache& self, std::optional<std::uintptr_t> stream) -> std::size_t {
-            if (!self.deferred) throw std::invalid_argument("only the 'deferred' test copier");
+            if (!self.deferred) {
+              throw std::invalid_argument("complete_transfers works only with copier='deferred'");
+            }
             if (stream)
               return self.deferred->complete(reinterpret_cast<hicache::StreamHandle>(*stream));
             return self.deferred->complete();

@@ -343,7 +343,7 @@ std::int64_t HostPrefixCache::store(std::string_view request_id,
   if (static_cast<std::int64_t>(block_ids.size()) < n_full) {
     throw std::invalid_argument("store: " + std::to_string(tokens.size()) + " tokens make " +
                                 std::to_string(n_full) + " full blocks but only " +
-                                std::to_string(block_ids.size()) + " block ids were given");
+                                std::to_string(block_ids.size()) + " block_ids were given");
   }
   layout_.check_blocks(block_ids.first(static_cast<std::size_t>(n_full)), false, "store: block_ids");
   const std::string_view chain_salt = salt.value_or(std::string_view(config_.salt));

@@ -47,8 +47,8 @@ def int_arg(name: str, value: Any, lo: int | None = None, hi: int | None = None)
         raise TypeError(f"{name} must be an int, not bool ({value!r})")
     try:
         v = operator.index(value)
-    except TypeError:
-        raise TypeError(f"{name} must be an int, not {type(value).__name__} ({show(value)})") from None
+    except Exception as e:  # a type without __index__, or one whose __index__ fails (a meta tensor)
+        raise TypeError(f"{name} must be an int, not {type(value).__name__} ({show(value)})") from e
     if lo is not None and v < lo:
         raise ValueError(f"{name} must be >= {lo} (got {v})")
     if hi is not None and v > hi:
@@ -73,6 +73,17 @@ def callable_arg(name: str, value: Any, signature: str) -> Any:
     if not callable(value):
         raise TypeError(f"{name} must be a callable ({signature}), not {show(value)}")
     return value
+
+
+def call_back(fn: Any, arg: int, name: str) -> Any:
+    """Calls an engine callback with its one argument. Its own exceptions pass unchanged; a
+    callable that cannot take the call (wrong arity) is reported under the argument's name."""
+    try:
+        return fn(arg)
+    except TypeError as e:
+        if e.__traceback__ is not None and e.__traceback__.tb_next is None:  # failed at the call
+            raise TypeError(f"{name} must take one argument ({arg}); calling it raised: {e}") from e
+        raise
 
 
 def _to_numpy_1d(x: Any, what: str) -> np.ndarray:

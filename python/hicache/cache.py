@@ -205,7 +205,7 @@ class HostPrefixCache:
         chain_salt = _arrays.as_salt(salt)
 
         def alloc(n: int) -> list[int] | None:
-            got = allocate(n)
+            got = _arrays.call_back(allocate, n, "allocate")
             if got is None:
                 return None
             blocks = _arrays.block_id_list(got, f"allocate({n})'s result")
@@ -251,7 +251,7 @@ class HostPrefixCache:
             _arrays.callable_arg("state_export", state_export, "position -> tensor or None")
 
             def export(pos: int) -> Any:
-                buf = state_export(pos)
+                buf = _arrays.call_back(state_export, pos, "state_export")
                 what = f"state_export({pos})'s result"
                 return None if buf is None else _arrays.dlpack_arg(buf, what, writable=False)
 

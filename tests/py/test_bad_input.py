@@ -79,7 +79,7 @@ def test_bad_prompts_raise(setup, prompt, exc, match) -> None:
 @pytest.mark.parametrize(
     "tokens,blocks,exc,match",
     [
-        (torch.arange(2 * B + 1), [0], ValueError, "2 full blocks but only 1 block ids"),
+        (torch.arange(2 * B + 1), [0], ValueError, "2 full blocks but only 1 block_ids"),
         (torch.arange(2 * B + 1), [0, 99], IndexError, "block id 99"),
         (torch.arange(2 * B + 1), [-3, 1], IndexError, "block id -3"),
         (torch.arange(2 * B + 1), [[0, 1]], ValueError, "1-D"),
