@@ -101,8 +101,7 @@ struct Setup {
   std::vector<hicache::PageMove> moves, moves2;  // two disjoint batches (two-direction test)
   std::size_t bytes = 0;
 
-  Setup(Geometry geo, int cuda_blocks, std::size_t staging_bytes = std::size_t{16} << 20,
-        int staging_windows = 2, bool staging_priority = false)
+  Setup(Geometry geo, int cuda_blocks, std::size_t staging_bytes = std::size_t{16} << 20)
       : g(geo) {
     const std::int64_t num_blocks = 2 * g.pages + 2;
     for (int s = 0; s < g.segments; ++s) {
@@ -116,22 +115,18 @@ struct Setup {
     hicache::CudaCopierOptions o;
     o.max_blocks = cuda_blocks;
     o.staging_bytes = staging_bytes;
-    o.staging_windows = staging_windows;
-    o.staging_priority = staging_priority;
-    copier = hicache::make_cuda_copier(0, o);
-    copier->bind(*layout);
-    hicache::CudaCopierOptions st = o;
-    st.dma_min_chunk_bytes = 0;
-    st.staging_min_page_bytes = 1;
-    staged = hicache::make_cuda_copier(0, st);
-    staged->bind(*layout);
-    kernel = hicache::make_cuda_copier(0, {cuda_blocks, 1024, 0, 0});
-    kernel->bind(*layout);
-    dma = hicache::make_cuda_copier(0, {cuda_blocks, 1024, 1, 0});
-    dma->bind(*layout);
-    auto_path = static_cast<std::size_t>(g.block_bytes) >= o.dma_min_chunk_bytes ? "DMA"
-                : layout->page_bytes() >= o.staging_min_page_bytes               ? "staged"
-                                                                                 : "kernel";
+    auto with_path = [&](hicache::CopyPath p) {
+      hicache::CudaCopierOptions q = o;
+      q.path = p;
+      auto c = hicache::make_cuda_copier(0, q);
+      c->bind(*layout);
+      return c;
+    };
+    copier = with_path(hicache::CopyPath::kAuto);
+    staged = with_path(hicache::CopyPath::kStaged);
+    kernel = with_path(hicache::CopyPath::kKernel);
+    dma = with_path(hicache::CopyPath::kDma);
+    auto_path = copier->path();
     pool = std::make_unique<hicache::HostPool>(layout->page_bytes(), 2 * g.pages,
                                                std::size_t{1} << 30, copier->host_allocator());
     // Engine blocks and host slots both in random order: a full cache reuses the slots of
@@ -357,23 +352,6 @@ void bench_staging_size(const Geometry& g, cudaStream_t s) {
     std::snprintf(line, sizeof line, "| %zu MiB%s | %.1f | %.1f |\n", mib,
                   mib == 16 ? " (default)" : "", gbps(B, h2d), gbps(B, d2h));
     report << line;
-  }
-  // Windows and the priority stream, alone on an idle GPU (beside compute: transfer_matmul.py).
-  for (int windows : {2, 8}) {
-    for (bool priority : {false, true}) {
-      if (windows == 2 && !priority) continue;  // the default, above
-      Setup st(g, 4, std::size_t{16} << 20, windows, priority);
-      const double B = static_cast<double>(st.bytes);
-      const double h2d = median_ms(s, [&] {
-        st.staged->copy_pages(hicache::Direction::kToDevice, *st.layout, st.moves, s);
-      });
-      const double d2h = median_ms(
-          s, [&] { st.staged->copy_pages(hicache::Direction::kToHost, *st.layout, st.moves, s); });
-      char line[128];
-      std::snprintf(line, sizeof line, "| 16 MiB, %d windows%s | %.1f | %.1f |\n", windows,
-                    priority ? ", priority stream" : "", gbps(B, h2d), gbps(B, d2h));
-      report << line;
-    }
   }
 }
 

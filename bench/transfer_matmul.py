@@ -1,9 +1,10 @@
 """hicache's copies beside a large bf16 matmul: the matmul's slowdown and our bandwidth.
 
-Loads (H2D, try_resume) and stores (D2H, store) of a Llama-3-8B-shaped layer-major pool run on a
-side stream while 8192^3 bf16 matmuls run on the main stream, for each copy path (staged: whole
-pages on the DMA engines + an HBM scatter; kernel: the copy kernel across PCIe), and the same for
-a plain DMA copy (torch copy_ from pinned memory, i.e. cudaMemcpyAsync) of the same bytes.
+For each layout class (Llama-3-8B layer-major, DeepSeek MLA, a TP-sharded or small model, an
+MoE-sized model, one page-major pool), loads (H2D, try_resume) and stores (D2H, store) run on a
+side stream while 8192^3 bf16 matmuls run on the main stream, on the default path and on each
+forced one (``--paths``), and the same for a plain DMA copy (torch copy_ from pinned memory,
+i.e. cudaMemcpyAsync) of the same bytes.
 
 The baseline is the same run of matmuls, back to back, with no copy, measured just before and
 just after each copy run (their mean), so clock and power drift over the benchmark cancel out.
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 from collections.abc import Callable
 
 import torch
@@ -35,19 +37,37 @@ def timed(stream: torch.cuda.Stream, fn: Callable[[], object], reps: int) -> flo
     return statistics.median(times)
 
 
+LAYOUTS = {  # name: (segments, bytes per block per segment)
+    "Llama-3-8B, 64 x 256 KiB": (64, 256 << 10),
+    "MLA, 61 x 144 KiB": (61, 144 << 10),
+    "TP shard / small model, 48 x 32 KiB": (48, 32 << 10),
+    "MoE-sized, 96 x 128 KiB": (96, 128 << 10),
+    "page-major, 1 x 16 MiB": (1, 16 << 20),
+}
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--pages", type=int, default=64)
+    p.add_argument("--batch-mib", type=int, default=1024, help="bytes per copy call")
     p.add_argument("--matmuls", type=int, default=200)
-    p.add_argument("--cuda-blocks", type=int, default=4)
+    p.add_argument("--paths", type=lambda v: v.split(","), default=["auto", "dma", "staged", "kernel"])
+    p.add_argument("--layouts", type=lambda v: v.split(";"), default=list(LAYOUTS))
     args = p.parse_args()
     dev = torch.device("cuda")
     main_s, side = torch.cuda.current_stream(), torch.cuda.Stream()
-    n = args.pages
-    segs = [torch.randn(2 * n + 2, B, 8, 128, device=dev).to(torch.bfloat16) for _ in range(64)]
-    page_bytes = sum(s[0].numel() * s.element_size() for s in segs)
-    batch_bytes = page_bytes * n
     x = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
+    for name in args.layouts:
+        nseg, chunk = LAYOUTS[name]
+        n = max(8, (args.batch_mib << 20) // (nseg * chunk))
+        print(f"\n### {name}: {n} pages of {nseg * chunk / 2**20:.2f} MiB a call\n", flush=True)
+        run_layout(args, dev, main_s, side, x, nseg, chunk, n)
+        torch.cuda.empty_cache()
+
+
+def run_layout(args, dev, main_s, side, x, nseg: int, chunk: int, n: int) -> None:
+    segs = [torch.empty(2 * n + 2, chunk, dtype=torch.uint8, device=dev).random_(0, 255) for _ in range(nseg)]
+    page_bytes = nseg * chunk
+    batch_bytes = page_bytes * n
 
     def matmuls() -> float:
         """Milliseconds per matmul over args.matmuls back-to-back ones on the main stream."""
@@ -66,9 +86,7 @@ def main() -> None:
     stores_in_flight = 16
 
     def make_cache(pages: int, **kw: object) -> hicache.HostPrefixCache:
-        return hicache.HostPrefixCache(
-            segs, block_tokens=B, capacity_pages=pages, cuda_blocks=args.cuda_blocks, pin_upfront=True, **kw
-        )
+        return hicache.HostPrefixCache(segs, block_tokens=B, capacity_pages=pages, pin_upfront=True, **kw)
 
     def variants(label: str, **kw: object) -> list[tuple[str, Callable[[], None], hicache.HostPrefixCache]]:
         loads = make_cache(2 * n, **kw)
@@ -93,6 +111,7 @@ def main() -> None:
             assert got == n, f"store copied {got} of {n} pages"
             stores.forget("w")
 
+        label = f"{label} ({loads.copy_path})"
         return [
             (f"hicache load (H2D), {label}", load, loads),
             (f"hicache store (D2H), {label}", store, stores),
@@ -114,13 +133,10 @@ def main() -> None:
 
     # Each group's caches (up to 18 GiB of pinned memory) live only while the group runs.
     groups: list[Callable[[], list[tuple[str, Callable[[], None], hicache.HostPrefixCache | None]]]] = [
-        lambda: variants("staged (default: 2 windows)"),
-        lambda: variants("staged, 8 windows", cuda_staging_windows=8),
-        lambda: variants("staged, priority stream", cuda_staging_priority=True),
-        lambda: variants(
-            "staged, priority stream, 8 windows", cuda_staging_windows=8, cuda_staging_priority=True
-        ),
-        lambda: variants("kernel", cuda_staging_bytes=0),
+        *[
+            lambda path=path: variants("default" if path == "auto" else path, cuda_path=path)
+            for path in args.paths
+        ],
         dma_runs,
     ]
 
@@ -155,15 +171,18 @@ def main() -> None:
     flops = 2 * 8192**3 / (rows[0][3] * 1e-3) / 1e12
     print(
         f"bf16 8192^3 matmul alone: {rows[0][3]:.3f} ms ({flops:.0f} TFLOP/s); copies of "
-        f"{batch_bytes / 1e9:.2f} GB ({n} pages of {page_bytes >> 20} MiB), "
-        f"copy kernels with {args.cuda_blocks} CTAs\n"
+        f"{batch_bytes / 1e9:.2f} GB\n"
     )
     print(
-        "| copy on a side stream | alone GB/s | beside the matmul GB/s | matmul ms alone | matmul slowdown |"
+        "| copy on a side stream | alone GB/s | beside the matmul GB/s | of alone | matmul ms alone "
+        "| matmul slowdown |"
     )
-    print("| --- | --- | --- | --- | --- |")
+    print("| --- | --- | --- | --- | --- | --- |")
     for name, bw_alone, bw, base, slow in rows:
-        print(f"| {name} | {bw_alone:.1f} | {bw:.1f} | {base:.3f} | {slow * 100:+.1f} % |")
+        print(
+            f"| {name} | {bw_alone:.1f} | {bw:.1f} | {bw / bw_alone:.2f} | {base:.3f} | {slow * 100:+.1f} % |"
+        )
+    sys.stdout.flush()
 
 
 if __name__ == "__main__":

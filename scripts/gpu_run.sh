@@ -69,7 +69,7 @@ sanitize)
   # The sanitizers serialize kernels, so tests that assert a kernel is still running cannot hold
   # under them; every other GPU test runs under each tool.
   # StagingThatCannotBeAllocated* provokes a failed cudaMalloc, which the tools report.
-  f='CudaCopier.*:-CudaCopier.StagingThatCannotBeAllocated*:CudaCopier.InFlight*:CudaCopier.StagedLoadsQueued*:CudaCopier.PollRetires*:CudaCopier.StoresNeverWait*:CudaCopier.LazyPinning*'
+  f='CudaCopier.*:-CudaCopier.StagingThatCannotBeAllocated*:CudaCopier.InFlight*:CudaCopier.StagedLoadsQueued*:CudaCopier.PollRetires*:CudaCopier.StoresNeverWait*:CudaCopier.ThePoolIsPinned*'
   # initcheck does not see the writes of cudaMemcpyBatchAsync (see cpp/cuda/dma_batch.hpp): under
   # it the copier submits one cudaMemcpyAsync per piece.
   for tool in memcheck racecheck synccheck initcheck; do

@@ -91,8 +91,7 @@ PyCache make_cache(std::vector<nb::ndarray<>> segments, std::int64_t block_token
                    std::int64_t capacity_states, std::int64_t state_lookback, nb::bytes salt,
                    std::int64_t error_limit, int key_bits, std::size_t pool_chunk_bytes,
                    const std::string& copier, int cuda_blocks, std::size_t cuda_staging_bytes,
-                   int cuda_staging_windows, bool cuda_staging_priority, bool pin_upfront,
-                   const std::string& eviction) {
+                   const std::string& cuda_path, bool pin_upfront, const std::string& eviction) {
   PyCache out;
   std::vector<hicache::Segment> segs;
   hicache::Device device{};
@@ -128,8 +127,18 @@ PyCache make_cache(std::vector<nb::ndarray<>> segments, std::int64_t block_token
   hicache::CudaCopierOptions cuda_options;
   cuda_options.max_blocks = cuda_blocks;
   cuda_options.staging_bytes = cuda_staging_bytes;
-  cuda_options.staging_windows = cuda_staging_windows;
-  cuda_options.staging_priority = cuda_staging_priority;
+  if (cuda_path == "auto") {
+    cuda_options.path = hicache::CopyPath::kAuto;
+  } else if (cuda_path == "dma") {
+    cuda_options.path = hicache::CopyPath::kDma;
+  } else if (cuda_path == "staged") {
+    cuda_options.path = hicache::CopyPath::kStaged;
+  } else if (cuda_path == "kernel") {
+    cuda_options.path = hicache::CopyPath::kKernel;
+  } else {
+    throw std::invalid_argument("cuda_path must be 'auto', 'dma', 'staged' or 'kernel', not '" +
+                                cuda_path + "'");
+  }
   cuda_options.validate();  // for every copier: a bad value is an error on the CPU too
   std::shared_ptr<hicache::Copier> chosen;
   if (copier == "deferred") {
@@ -277,18 +286,17 @@ NB_MODULE(_core, m) {
              std::int64_t capacity_states, std::int64_t state_lookback, nb::bytes salt,
              std::int64_t error_limit, int key_bits, std::size_t pool_chunk_bytes,
              const std::string& copier, int cuda_blocks, std::size_t cuda_staging_bytes,
-             int cuda_staging_windows, bool cuda_staging_priority, bool pin_upfront,
-             const std::string& eviction) {
+             const std::string& cuda_path, bool pin_upfront, const std::string& eviction) {
             new (self) PyCache(make_cache(std::move(segments), block_tokens, capacity_pages,
                                           keep_tokens, state_bytes, capacity_states, state_lookback,
                                           salt, error_limit, key_bits, pool_chunk_bytes, copier,
-                                          cuda_blocks, cuda_staging_bytes, cuda_staging_windows,
-                                          cuda_staging_priority, pin_upfront, eviction));
+                                          cuda_blocks, cuda_staging_bytes, cuda_path, pin_upfront,
+                                          eviction));
           },
           "segments"_a, "block_tokens"_a, "capacity_pages"_a, "keep_tokens"_a, "state_bytes"_a,
           "capacity_states"_a, "state_lookback"_a, "salt"_a, "error_limit"_a, "key_bits"_a,
           "pool_chunk_bytes"_a, "copier"_a, "cuda_blocks"_a, "cuda_staging_bytes"_a,
-          "cuda_staging_windows"_a, "cuda_staging_priority"_a, "pin_upfront"_a, "eviction"_a)
+          "cuda_path"_a, "pin_upfront"_a, "eviction"_a)
       .def("try_resume", &try_resume, "request_id"_a, "prompt"_a.noconvert(), "allocate"_a,
            "stream"_a, "state_out"_a.noconvert().none(), "salt"_a.none())
       .def("store", &store, "request_id"_a, "tokens"_a.noconvert(), "block_ids"_a.noconvert(),

@@ -1,5 +1,5 @@
 // The CUDA copier: CUDA events as fences, pinned mapped host memory for the pools, and one of
-// three paths a layout, chosen at bind():
+// three paths a layout (CopyPath), chosen at bind() unless the options force one:
 //  - DMA: every chunk is large (>= 1 MiB): one cudaMemcpyBatchAsync a batch.
 //  - staged: pages are large but their chunks are not (layer-major pools): host pages cross
 //    PCIe whole on the DMA engines through a device staging buffer (staging_lane.hpp).
@@ -23,6 +23,21 @@
 namespace hicache {
 namespace cuda {
 namespace {
+
+// The automatic choice (measured on an H200, BENCHMARKS.md): the DMA engines reach 0.99 of the
+// contiguous rate on chunks of 1 MiB and more, but only 0.84-0.91 on 256 KiB chunks and far less
+// on smaller ones; the kernel across PCIe reaches ~0.92; staging pays from pages of 512 KiB.
+constexpr std::size_t kDmaMinChunk = std::size_t{1} << 20;
+constexpr std::size_t kStagedMinPage = std::size_t{512} << 10;
+
+CopyPath choose_path(const PageLayout& layout, const CudaCopierOptions& opt) {
+  if (opt.path != CopyPath::kAuto) return opt.path;
+  std::int64_t smallest = layout.segments().front().block_bytes;
+  for (const auto& sg : layout.segments()) smallest = std::min(smallest, sg.block_bytes);
+  if (static_cast<std::size_t>(smallest) >= kDmaMinChunk) return CopyPath::kDma;
+  if (opt.staging_bytes > 0 && layout.page_bytes() >= kStagedMinPage) return CopyPath::kStaged;
+  return CopyPath::kKernel;
+}
 
 // Events are reused: creating one per transfer costs more than the transfer's bookkeeping.
 class EventPool {
@@ -105,10 +120,7 @@ class CudaCopier final : public Copier {
       }
     }
     vec_ = align >= 16 ? 16 : align >= 4 ? 4 : 1;
-    std::int64_t smallest = segs.front().block_bytes;
-    for (const auto& sg : segs) smallest = std::min(smallest, sg.block_bytes);
-    use_dma_ = opt_.dma_min_chunk_bytes > 0 &&
-               static_cast<std::size_t>(smallest) >= opt_.dma_min_chunk_bytes;
+    path_ = choose_path(layout, opt_);
     layout_ = &layout;
     // CUDA loads a kernel's module at its first launch (lazy loading), and that load waits for
     // kernels already running: the engine's first store would stall behind its own forward pass
@@ -121,10 +133,9 @@ class CudaCopier final : public Copier {
     load_lanes_.clear();
     staging_refused_ = false;
     plan_.reset();
-    if (!use_dma_ && opt_.staging_bytes > 0 && layout.page_bytes() >= opt_.staging_min_page_bytes) {
-      plan_ = std::make_unique<StagingPlan>(
-          layout, opt_.staging_bytes / static_cast<std::size_t>(opt_.staging_windows), vec_,
-          opt_.threads);
+    if (path_ == CopyPath::kStaged) {
+      plan_ = std::make_unique<StagingPlan>(layout, opt_.staging_bytes / StagingLane::kWindows,
+                                            vec_, opt_.threads);
     }
   }
 
@@ -134,7 +145,9 @@ class CudaCopier final : public Copier {
     DeviceGuard g(device_);
     auto s = static_cast<cudaStream_t>(stream);
     // The batched DMA API refuses the legacy default stream: the kernel serves that one.
-    if (use_dma_ && s != nullptr && s != cudaStreamLegacy) return copy_pages_dma(dir, moves, s);
+    if (path_ == CopyPath::kDma && s != nullptr && s != cudaStreamLegacy) {
+      return copy_pages_dma(dir, moves, s);
+    }
     if (plan_ != nullptr) {
       if (StagingLane* l = lane(dir, s)) return l->copy(dir, moves, opt_.max_blocks, s);
     }
@@ -166,7 +179,14 @@ class CudaCopier final : public Copier {
   std::shared_ptr<HostAllocator> host_allocator() override { return allocator_; }
 
   const char* path() const override {
-    return use_dma_ ? "dma" : plan_ != nullptr ? "staged" : "kernel";
+    switch (path_) {
+      case CopyPath::kDma:
+        return "dma";
+      case CopyPath::kStaged:
+        return "staged";
+      default:
+        return "kernel";
+    }
   }
 
   bool supports(Device d) const override {
@@ -188,8 +208,7 @@ class CudaCopier final : public Copier {
     }
     if (lanes.size() < kMaxLanes && !staging_refused_) {
       try {
-        lanes.emplace_back(
-            s, std::make_unique<StagingLane>(*plan_, opt_.staging_windows, opt_.staging_priority));
+        lanes.emplace_back(s, std::make_unique<StagingLane>(*plan_));
         return lanes.back().second.get();
       } catch (const Error&) {
         cudaGetLastError();  // clear the allocation failure
@@ -240,7 +259,7 @@ class CudaCopier final : public Copier {
   bool staging_refused_ = false;  // a staging allocation failed: no further attempts
   std::vector<std::pair<cudaStream_t, std::unique_ptr<StagingLane>>> store_lanes_, load_lanes_;
   int vec_ = 16;
-  bool use_dma_ = false;
+  CopyPath path_ = CopyPath::kKernel;
   const PageLayout* layout_ = nullptr;
 };
 

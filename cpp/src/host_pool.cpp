@@ -1,6 +1,7 @@
 #include "hicache/host_pool.hpp"
 
 #include <algorithm>
+#include <chrono>
 #include <cstdlib>
 #include <fstream>
 #include <stdexcept>
@@ -41,7 +42,7 @@ bool read_meminfo(std::size_t& total, std::size_t& available) {
 bool HostAllocator::room_for(std::size_t bytes) const {
   std::size_t total = 0, available = 0;
   if (!read_meminfo(total, available)) return true;
-  const std::size_t reserve = std::max<std::size_t>(std::size_t{2} << 30, total / 16);
+  const std::size_t reserve = std::max<std::size_t>(std::size_t{1} << 30, total / 32);
   return available >= reserve && available - reserve >= bytes;
 }
 
@@ -139,10 +140,10 @@ bool HostPool::next_job(std::size_t& c) {
   if (growth_ != Growth::kBackground || sweep_stopped_) return false;
   while (sweep_next_ < num_chunks_ && chunk(sweep_next_).state != State::kNone) ++sweep_next_;
   if (sweep_next_ >= num_chunks_) return false;
-  if (!allocator_->room_for(chunk_size(sweep_next_))) {
-    sweep_stopped_ = true;  // the rest is allocated when a slot in it is asked for
-    return false;
-  }
+  // Too little memory left: wait and look again (memory may be freed, and some VMs grow their
+  // memory as it is used); meanwhile a slot asked for still gets its chunk.
+  sweep_waiting_ = !allocator_->room_for(chunk_size(sweep_next_));
+  if (sweep_waiting_) return false;
   c = sweep_next_++;
   chunk(c).state = State::kRequested;
   return true;
@@ -152,7 +153,13 @@ void HostPool::worker() {
   std::unique_lock<std::mutex> lock(mu_);
   for (;;) {
     std::size_t c = 0;
-    cv_.wait(lock, [&] { return stopping_ || next_job(c); });
+    while (!stopping_ && !next_job(c)) {
+      if (sweep_waiting_) {
+        cv_.wait_for(lock, std::chrono::milliseconds(200));
+      } else {
+        cv_.wait(lock);
+      }
+    }
     if (stopping_) {
       if (c < chunks_.size() && chunks_[c].state == State::kRequested) {
         chunks_[c].state = State::kNone;
@@ -214,7 +221,7 @@ void HostPool::wait_idle() {
   std::unique_lock<std::mutex> lock(mu_);
   cv_.wait(lock, [&] {
     if (!queue_.empty() || busy_) return false;
-    if (growth_ != Growth::kBackground || sweep_stopped_) return true;
+    if (growth_ != Growth::kBackground || sweep_stopped_ || sweep_waiting_) return true;
     std::size_t n = sweep_next_;
     while (n < num_chunks_ && (n < chunks_.size() && chunks_[n].state != State::kNone)) ++n;
     return n >= num_chunks_;

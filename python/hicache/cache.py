@@ -16,6 +16,7 @@ Allocate = Callable[[int], "Sequence[int] | ArrayLike | None"]
 StateExport = Callable[[int], "ArrayLike | None"]
 CopierKind = Literal["auto", "cpu", "cuda", "deferred", "null"]
 Eviction = Literal["leaf-first", "lru"]
+CudaPath = Literal["auto", "dma", "staged", "kernel"]
 
 
 class HostPrefixCache:
@@ -43,12 +44,11 @@ class HostPrefixCache:
         cuda_blocks: CTAs of the CUDA copy kernel.
         cuda_staging_bytes: device memory per stream and direction through which pages of
             layer-major pools cross PCIe whole on the DMA engines (pages of 512 KiB or more
-            whose chunks are under 1 MiB); the kernel scatters them at HBM speed. 0: the kernel
-            copies across PCIe directly (~0.92 of the DMA rate on an H200).
-        cuda_staging_windows: windows the staging is cut into (2 to 64).
-        cuda_staging_priority: staged gathers/scatters on a greatest-priority stream of the
-            cache's own, ordered after the caller's stream, so that beside compute their CTAs go
-            first (on an H200 beside a bf16 matmul this gained nothing: see BENCHMARKS.md).
+            whose chunks are under 1 MiB); the kernel scatters them at HBM speed. Two windows,
+            each at least one whole page. 0: no staging.
+        cuda_path: how pages cross PCIe: ``"auto"`` (default: chosen from the layout),
+            ``"dma"``, ``"staged"`` or ``"kernel"`` (see :attr:`copy_path`); forcing one is for
+            measuring, as ``bench/layouts.py`` does.
         pool_chunk_bytes: size of one host allocation.
         pin_upfront: CUDA only. False (default): pin the first chunk now and the rest on a
             background thread, one chunk after another until the pool is whole (stopping while
@@ -79,8 +79,7 @@ class HostPrefixCache:
         copier: CopierKind = "auto",
         cuda_blocks: int = 4,
         cuda_staging_bytes: int = 16 << 20,
-        cuda_staging_windows: int = 2,
-        cuda_staging_priority: bool = False,
+        cuda_path: CudaPath = "auto",
         pool_chunk_bytes: int = 1 << 30,
         pin_upfront: bool = False,
         eviction: Eviction = "leaf-first",
@@ -112,9 +111,8 @@ class HostPrefixCache:
         key_bits = _arrays.int_arg("key_bits", key_bits, 1, 128)
         cuda_blocks = _arrays.int_arg("cuda_blocks", cuda_blocks, 1, 1024)
         cuda_staging_bytes = _arrays.int_arg("cuda_staging_bytes", cuda_staging_bytes, 0, 2**64 - 1)
-        cuda_staging_windows = _arrays.int_arg("cuda_staging_windows", cuda_staging_windows, 2, 64)
         pool_chunk_bytes = _arrays.int_arg("pool_chunk_bytes", pool_chunk_bytes, 1, 2**64 - 1)
-        cuda_staging_priority = _arrays.bool_arg("cuda_staging_priority", cuda_staging_priority)
+        cuda_path = _arrays.choice_arg("cuda_path", cuda_path, ("auto", "dma", "staged", "kernel"))  # type: ignore[assignment]
         pin_upfront = _arrays.bool_arg("pin_upfront", pin_upfront)
         copier = _arrays.choice_arg("copier", copier, ("auto", "cpu", "cuda", "deferred", "null"))  # type: ignore[assignment]
         eviction = _arrays.choice_arg("eviction", eviction, ("leaf-first", "lru"))  # type: ignore[assignment]
@@ -151,8 +149,7 @@ class HostPrefixCache:
             copier,
             cuda_blocks,
             cuda_staging_bytes,
-            cuda_staging_windows,
-            cuda_staging_priority,
+            cuda_path,
             pin_upfront,
             eviction,
         )

@@ -597,7 +597,7 @@ class SlowPinned : public hicache::HostAllocator {
   bool room_for(std::size_t) const override { return calls < room_for_calls; }
   std::shared_ptr<hicache::HostAllocator> inner = hicache::make_aligned_host_allocator();
   std::atomic<int> calls = 0;
-  int room_for_calls = 1 << 30;  // the "machine" has room for this many chunks ahead of need
+  std::atomic<int> room_for_calls = 1 << 30;  // the "machine" has room for this many chunks
 
  private:
   std::chrono::milliseconds delay_;
@@ -659,7 +659,7 @@ TEST(HostPrefixCache, APoolOfManyChunksIsWholeSoonAfterStartAndStoresOfSeveralCh
   EXPECT_EQ(cache.stats().host_bytes, 16 * 256);
 }
 
-TEST(HostPrefixCache, BackgroundPinningStopsWhileHostMemoryIsShortThenPinsOnDemand) {
+TEST(HostPrefixCache, BackgroundPinningPausesWhileHostMemoryIsShortAndPinsWhatIsAskedFor) {
   FakeEngine eng(16, {256});
   CacheConfig c = small_config(8);
   c.pool_chunk_bytes = 512;
@@ -667,13 +667,16 @@ TEST(HostPrefixCache, BackgroundPinningStopsWhileHostMemoryIsShortThenPinsOnDema
   alloc->room_for_calls = 2;  // room ahead of need for one chunk besides the first
   HostPrefixCache cache(eng.segments(), {}, c, std::make_shared<hicache::CpuCopier>(alloc));
   EXPECT_TRUE(eventually(cache, [](const auto& s) { return s.host_bytes == 4 * 256; }));
-  std::this_thread::sleep_for(std::chrono::milliseconds(20));
-  EXPECT_EQ(cache.stats().host_bytes, 4 * 256);  // stopped there
+  std::this_thread::sleep_for(std::chrono::milliseconds(250));  // past a second look
+  EXPECT_EQ(cache.stats().host_bytes, 4 * 256);  // paused there
   // A store reaching past the pinned part asks for the next chunk, which then comes.
   EXPECT_EQ(cache.store("a", tokens(6 * 16 + 1), ids(0, 7)), 4);
   EXPECT_EQ(cache.stats().store_skips_unpinned, 1);
   EXPECT_TRUE(eventually(cache, [](const auto& s) { return s.host_bytes == 6 * 256; }));
   EXPECT_EQ(cache.store("a", tokens(6 * 16 + 1), ids(0, 7)), 2);
+  // Memory comes back: the sweep resumes by itself and the pool becomes whole.
+  alloc->room_for_calls = 1 << 30;
+  EXPECT_TRUE(eventually(cache, [](const auto& s) { return s.host_bytes == 8 * 256; }));
 }
 
 // --- hostile input, round 2 ----------------------------------------------------------------------

@@ -172,7 +172,7 @@ def test_bad_segments_raise(make_segments, match) -> None:
         (dict(host_bytes=10), "holds no page"),
         (dict(capacity_pages=4, cuda_blocks=0), "cuda_blocks must be >= 1"),
         (dict(capacity_pages=4, cuda_staging_bytes=-1), "cuda_staging_bytes must be >= 0"),
-        (dict(capacity_pages=4, cuda_staging_windows=1), "cuda_staging_windows must be >= 2"),
+        (dict(capacity_pages=4, cuda_path="fast"), "cuda_path must be one of"),
     ],
 )
 def test_bad_configs_raise(kwargs, match) -> None:

@@ -73,11 +73,19 @@ def make_array(kind: str, dtype_i: int, shape: list[int], layout: str, readonly:
         elif layout == "step" and a.ndim >= 1:
             a = a[::2]
         elif layout == "bytes" and a.ndim == 2 and a.itemsize > 1 and a.shape[1] > 0:
-            a = np.ndarray(a.shape, a.dtype, np.zeros(a.nbytes + 64, np.uint8), 0, (a.shape[1] * a.itemsize + 1, a.itemsize))
+            a = np.ndarray(
+                a.shape,
+                a.dtype,
+                np.zeros(a.nbytes + 64, np.uint8),
+                0,
+                (a.shape[1] * a.itemsize + 1, a.itemsize),
+            )
         if readonly:
             a.flags.writeable = False
         return a
-    t = torch.zeros(shape_t, dtype=getattr(torch, TORCH_DTYPES[dtype_i]), device="meta" if kind == "meta" else "cpu")
+    t = torch.zeros(
+        shape_t, dtype=getattr(torch, TORCH_DTYPES[dtype_i]), device="meta" if kind == "meta" else "cpu"
+    )
     if layout == "transpose" and t.dim() >= 2:
         t = t.transpose(0, 1)
     elif layout == "step" and t.dim() >= 1:
@@ -108,9 +116,9 @@ scalars = st.one_of(
     st.builds(lambda v: np.int64(v), st.integers(-(2**63), 2**63 - 1)),
     st.builds(lambda v: np.float32(v), st.floats(width=32)),
 )
-producers = st.sampled_from([RaisingProducer, SameCapsuleTwice, NotACapsule, object, dict, set, lambda: (lambda: 1)]).map(
-    lambda f: f()
-)
+producers = st.sampled_from(
+    [RaisingProducer, SameCapsuleTwice, NotACapsule, object, dict, set, lambda: lambda: 1]
+).map(lambda f: f())
 sequences = st.one_of(
     st.lists(st.integers(-(2**65), 2**65), max_size=40),
     st.lists(st.integers(0, 40), min_size=1, max_size=40),
@@ -147,7 +155,9 @@ class Engine:
     def cache(self, **kwargs: Any) -> hicache.HostPrefixCache:
         args: dict[str, Any] = dict(block_tokens=B, capacity_pages=8, state_bytes=16, capacity_states=4)
         args.update(kwargs)
-        return hicache.HostPrefixCache(kwargs.pop("segments", self.seg), **{k: v for k, v in args.items() if k != "segments"})
+        return hicache.HostPrefixCache(
+            kwargs.pop("segments", self.seg), **{k: v for k, v in args.items() if k != "segments"}
+        )
 
     def primed(self, **kwargs: Any) -> hicache.HostPrefixCache:
         c = self.cache(**kwargs)
@@ -160,7 +170,7 @@ PROMPT = np.arange(2 * B + 1, dtype=np.int32)
 CONSTRUCTOR_KEYWORDS = [
     "block_tokens", "capacity_pages", "host_bytes", "keep_tokens", "state_bytes", "capacity_states",
     "state_lookback", "salt", "error_limit", "copier", "cuda_blocks", "cuda_staging_bytes",
-    "cuda_staging_windows", "cuda_staging_priority", "pool_chunk_bytes", "pin_upfront", "eviction",
+    "cuda_path", "pool_chunk_bytes", "pin_upfront", "eviction",
     "key_bits",
 ]  # fmt: skip
 # Arguments a keyword's bad value may be reported under: related settings checked together.
@@ -228,7 +238,8 @@ def names_for(target: str) -> tuple[str, ...]:
     return (arg, *ALSO_NAMED.get(arg, ()))
 
 
-TARGETS = ["segments", "segments[1]", *CONSTRUCTOR_KEYWORDS] + [
+TARGETS = [
+    "segments", "segments[1]", *CONSTRUCTOR_KEYWORDS,
     "try_resume.request_id", "try_resume.prompt", "try_resume.allocate", "try_resume.allocate()",
     "try_resume.stream", "try_resume.state_out", "try_resume.salt", "store.request_id", "store.tokens",
     "store.block_ids", "store.stream", "store.state_export", "store.state_export()", "store.salt",

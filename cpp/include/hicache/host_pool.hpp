@@ -12,9 +12,9 @@
 //    ~80 ms that the engine's thread must not pay). The constructor allocates the first chunk; a
 //    background thread then allocates the others, in slot order, one after another, until the
 //    pool is whole, so a pool is all there within seconds of start-up instead of growing one
-//    chunk per burst of stores. It stops early while the allocator reports too little host
-//    memory left (HostAllocator::room_for); the rest is then allocated when a slot in it is
-//    asked for. slot() never blocks: it returns nullptr while its chunk is not there yet, and
+//    chunk per burst of stores. It pauses while the allocator reports too little host memory
+//    left (HostAllocator::room_for), looking again every 200 ms, and stops after a failed
+//    allocation; a chunk whose slot is asked for is allocated meanwhile all the same. slot() never blocks: it returns nullptr while its chunk is not there yet, and
 //    the cache skips that store (counted). Pinning does not wait for the GPU (measured on an
 //    H200: 48 ms for 256 MiB while a 100 ms kernel ran, 51 ms idle).
 //  - kUpFront: every chunk is allocated by the constructor (predictable, nothing left to pin).
@@ -43,8 +43,8 @@ class HostAllocator {
   /// 256 MiB on an H200 host); such pools are allocated on a background thread.
   virtual bool allocation_is_slow() const { return false; }
   /// Whether `bytes` more can be allocated ahead of need without starving the machine: pinned
-  /// memory cannot be swapped, so a pool pinned in the background stops while this is false.
-  /// Default: at least max(2 GiB, 1/16 of the RAM) would stay available after it (Linux
+  /// memory cannot be swapped, so a pool pinned in the background pauses while this is false.
+  /// Default: at least max(1 GiB, 1/32 of the RAM) would stay available after it (Linux
   /// /proc/meminfo; true where that cannot be read).
   virtual bool room_for(std::size_t bytes) const;
 };
@@ -112,7 +112,8 @@ class HostPool {
   std::size_t allocated_bytes_ = 0;
   std::vector<std::size_t> queue_;     // chunks asked for by slot(), pinned first
   std::size_t sweep_next_ = 1;         // kBackground: next chunk the sweep pins
-  bool sweep_stopped_ = false;         // kBackground: a failure or low memory ended the sweep
+  bool sweep_stopped_ = false;         // kBackground: an allocation failed: pin only when asked
+  bool sweep_waiting_ = false;         // kBackground: too little host memory now; look again soon
   bool stopping_ = false;
   bool busy_ = false;
   std::thread thread_;

@@ -1,0 +1,268 @@
+"""Every KV layout through the public API: hicache's stores and loads against contiguous copies.
+
+For each layout of a grid (bytes per block per segment x segment counts, pages of at most
+64 MiB), a ``hicache.HostPrefixCache`` with default options (``--paths`` can force each copy
+path too) stores and loads a batch of pages on a side stream, and one contiguous torch copy of
+the same bytes between pinned host memory and the GPU runs in the same process, back to back.
+Every time is wall time from before the call until its stream is done, so the call's own CPU
+time counts; each is the best of ``--reps``. Printed per point: the path, the store and load
+ratios (contiguous time / hicache time), and the both-at-once ratio (a store on one stream and a
+load on another, against two contiguous copies on two streams). ``--cpu-cost`` instead times the
+CPU part of single calls (until they return) for several batch sizes.
+
+Engine blocks and host slots are both shuffled, as in a cache that has run for a while.
+
+    python bench/layouts.py                        # the grid, default options
+    python bench/layouts.py --paths dma,staged,kernel --pages 1024
+    python bench/layouts.py --cpu-cost
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import random
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+import hicache
+
+B = 128  # tokens per block: only the hash chain sees them
+KIB = 1024
+CHUNKS_KIB = [16, 32, 64, 128, 144, 256, 512, 1024, 4096, 16384]
+SEGMENTS = [1, 2, 32, 61, 64, 96, 128]
+MAX_PAGE = 64 << 20
+DEVICE = "cuda"  # --device cpu runs the same code on the CPU copier (to check the script)
+
+
+def stream() -> Any:
+    return torch.cuda.Stream() if DEVICE == "cuda" else None
+
+
+def on(s: Any) -> Any:
+    return torch.cuda.stream(s) if s is not None else contextlib.nullcontext()
+
+
+def host_buffer(nbytes: int) -> torch.Tensor:
+    t = torch.empty(nbytes, dtype=torch.uint8)
+    return t.pin_memory() if DEVICE == "cuda" else t
+
+
+def best_wall(fn: Callable[[], Any], sync: Callable[[], None], reps: int) -> float:
+    """Seconds, best of reps: fn() and everything it enqueued (sync waits)."""
+    best = float("inf")
+    for _ in range(reps):
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+class Point:
+    """One layout: segments on the GPU, a cache over them, a cached prompt to load."""
+
+    def __init__(self, chunk: int, nseg: int, pages: int, path: str, capacity: int = 4) -> None:
+        self.chunk, self.nseg, self.pages = chunk, nseg, pages
+        self.page_bytes = chunk * nseg
+        blocks = 2 * pages + 1
+        self.segs = [torch.empty(blocks, chunk, dtype=torch.uint8, device=DEVICE) for _ in range(nseg)]
+        for s in self.segs:
+            s.random_(0, 255)
+        self.cache = hicache.HostPrefixCache(
+            self.segs, block_tokens=B, capacity_pages=capacity * pages, cuda_path=path
+        )
+        self.path = self.cache.copy_path
+        self.pool_bytes = capacity * pages * ((self.page_bytes + 255) // 256 * 256)
+        t0 = time.perf_counter()
+        while DEVICE == "cuda" and self.cache.stats().host_bytes < self.pool_bytes:
+            if time.perf_counter() - t0 > 60:
+                sys.exit(f"the pool was not pinned after 60 s: {self.cache.stats_dict()}")
+            time.sleep(0.01)
+        self.pin_s = time.perf_counter() - t0
+        rng = random.Random(chunk * 131 + nseg)
+        order = list(range(blocks))
+        rng.shuffle(order)
+        self.sources, self.targets = order[:pages], order[pages : 2 * pages]
+        self.s1, self.s2 = stream(), stream()
+        self.n = 0
+        # Host slots in random order, as in a cache that has run for a while: fill the pool with
+        # one-page prompts, touch them in a random order (a store of a cached page copies
+        # nothing), so the measured prompts evict them, and take their slots, in that order.
+        singles = [torch.tensor([i] * B + [0], dtype=torch.int32) for i in range(capacity * pages)]
+        for i, one in enumerate(singles):
+            self.cache.store("fill", one, [self.sources[i % pages]], stream=self.s1)
+        self.sync()
+        rng.shuffle(singles)
+        for one in singles:
+            self.cache.store("fill", one, [0])
+        self.cache.forget("fill")
+        self.cached = self.prompt()
+        self.store(self.cached, self.s1)
+        self.sync()
+
+    def prompt(self) -> torch.Tensor:
+        self.n += 1
+        return torch.arange(self.pages * B + 1, dtype=torch.int32) + self.n * 10_000_000
+
+    def sync(self) -> None:
+        if self.s1 is not None:
+            self.s1.synchronize()
+            self.s2.synchronize()
+        self.cache.poll()
+
+    def store(self, prompt: torch.Tensor, stream: Any) -> None:
+        got = self.cache.store(f"w{self.n}", prompt, self.sources, stream=stream)
+        assert got == self.pages, f"stored {got} of {self.pages} ({self.cache.stats_dict()})"
+        self.cache.forget(f"w{self.n}")
+
+    def load(self, stream: Any) -> None:
+        got = self.cache.try_resume("r", self.cached, lambda n: self.targets[: n // B], stream=stream)
+        assert got == self.pages * B, f"loaded {got} tokens of {self.pages * B}"
+        self.cache.forget("r")
+
+    def measure(self, reps: int, both: bool = True) -> dict[str, float]:
+        nbytes = self.pages * self.page_bytes
+        pinned = host_buffer(nbytes)
+        pinned2 = host_buffer(nbytes)
+        dev = torch.empty(nbytes, dtype=torch.uint8, device=DEVICE)
+        dev2 = torch.empty(nbytes, dtype=torch.uint8, device=DEVICE)
+
+        def h2d() -> None:
+            with on(self.s1):
+                dev.copy_(pinned, non_blocking=True)
+
+        def d2h() -> None:
+            with on(self.s2):
+                pinned2.copy_(dev2, non_blocking=True)
+
+        def both_copies() -> None:
+            h2d()
+            d2h()
+
+        def store() -> None:
+            self.store(self.prompt(), self.s1)
+
+        def both_hicache() -> None:
+            self.store(self.prompt(), self.s1)
+            self.load(self.s2)
+
+        sync = self.sync
+        r = {
+            "h2d_s": best_wall(h2d, sync, reps),
+            "d2h_s": best_wall(d2h, sync, reps),
+            "load_s": best_wall(lambda: self.load(self.s1), sync, reps),
+            "store_s": best_wall(store, sync, reps),
+        }
+        r["load"] = r["h2d_s"] / r["load_s"]
+        r["store"] = r["d2h_s"] / r["store_s"]
+        r["both"] = float("nan")
+        if both:
+            r["both_s"] = best_wall(both_copies, sync, reps)
+            r["both_hicache_s"] = best_wall(both_hicache, sync, reps)
+            r["both"] = r["both_s"] / r["both_hicache_s"]
+        r["gbps_contiguous_h2d"] = nbytes / r["h2d_s"] / 1e9
+        return r
+
+
+def grid(chunks: list[int], segments: list[int]) -> list[tuple[int, int]]:
+    return [(c * KIB, n) for c in chunks for n in segments if c * KIB * n <= MAX_PAGE]
+
+
+def pages_for(page_bytes: int, wanted: int, max_batch: int) -> int:
+    return max(16, min(wanted, max_batch // page_bytes))
+
+
+def run_grid(args: argparse.Namespace) -> None:
+    points = grid(args.chunks, args.segments)
+    print(
+        f"# {len(points)} layouts x pages {args.pages} x paths {args.paths}; batches of at most "
+        f"{args.max_batch >> 20} MiB; best of {args.reps}; "
+        f"{torch.cuda.get_device_name() if DEVICE == 'cuda' else 'cpu'}",
+        flush=True,
+    )
+    print("| chunk | segments | page | pages | path | store | load | both | contiguous GB/s | pinned in |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |", flush=True)
+    results = []
+    for chunk, nseg in points:
+        for wanted in args.pages:
+            pages = pages_for(chunk * nseg, wanted, args.max_batch)
+            for path in args.paths:
+                p = Point(chunk, nseg, pages, path, capacity=2)
+                r = p.measure(args.reps, both=not args.no_both)
+                row = dict(chunk=chunk, segments=nseg, page=chunk * nseg, pages=pages, path=p.path, **r)
+                results.append(row)
+                if args.json:  # after every point: an interrupted sweep keeps what it measured
+                    with open(args.json, "w") as f:
+                        json.dump(results, f, indent=1)
+                page = f"{chunk * nseg / 2**20:.2f} MiB"
+                print(
+                    f"| {chunk // KIB} KiB | {nseg} | {page} | {pages} | {p.path} | {r['store']:.3f} | "
+                    f"{r['load']:.3f} | {r['both']:.3f} | {r['gbps_contiguous_h2d']:.1f} | {p.pin_s:.2f} s |",
+                    flush=True,
+                )
+                del p
+                torch.cuda.empty_cache()
+
+
+def run_cpu_cost(args: argparse.Namespace) -> None:
+    """CPU time of single calls (until they return) and their wall time to completion."""
+    print("| layout | pages | load call returns | load done | store call returns | store done |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for chunk, nseg, label in [(64 * KIB, 64, "64 x 64 KiB"), (32 * KIB, 48, "48 x 32 KiB")]:
+        for pages in (16, 160, 1600):
+            p = Point(chunk, nseg, pages, "auto", capacity=2)
+            out = {}
+            calls = (("load", lambda p=p: p.load(p.s1)), ("store", lambda p=p: p.store(p.prompt(), p.s1)))
+            for name, fn in calls:
+                ret, done = float("inf"), float("inf")
+                for _ in range(args.reps):
+                    p.sync()
+                    t0 = time.perf_counter()
+                    fn()
+                    t1 = time.perf_counter()
+                    p.sync()
+                    ret, done = min(ret, t1 - t0), min(done, time.perf_counter() - t0)
+                out[name] = (ret, done)
+            (lr, ld), (sr, sd) = out["load"], out["store"]
+            print(
+                f"| {label} ({p.path}) | {pages} | {lr * 1e3:.2f} ms | {ld * 1e3:.2f} ms "
+                f"| {sr * 1e3:.2f} ms | {sd * 1e3:.2f} ms |",
+                flush=True,
+            )
+            del p
+            torch.cuda.empty_cache()
+
+
+def ints(s: str) -> list[int]:
+    return [int(x) for x in s.split(",") if x]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--chunks", type=ints, default=CHUNKS_KIB, help="KiB per block per segment")
+    ap.add_argument("--segments", type=ints, default=SEGMENTS)
+    ap.add_argument("--pages", type=ints, default=[1024], help="pages per call (capped by --max-batch)")
+    ap.add_argument("--max-batch", type=int, default=1 << 30, help="bytes per call at most")
+    ap.add_argument("--paths", type=lambda s: s.split(","), default=["auto"])
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--json", default="", help="also write every result here, as it comes")
+    ap.add_argument("--no-both", action="store_true", help="skip the both-directions-at-once runs")
+    ap.add_argument("--cpu-cost", action="store_true")
+    ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    args = ap.parse_args()
+    global DEVICE
+    DEVICE = args.device
+    if DEVICE == "cuda" and (not torch.cuda.is_available() or not hicache.cuda_available()):
+        sys.exit("needs a CUDA GPU and a CUDA build of hicache (or --device cpu)")
+    run_cpu_cost(args) if args.cpu_cost else run_grid(args)
+
+
+if __name__ == "__main__":
+    main()
