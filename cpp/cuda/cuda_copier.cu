@@ -96,6 +96,14 @@ class CudaCopier final : public Copier {
     // Registered memory is only usable at its host address when the device says so; memory from
     // cudaHostAlloc is, on every 64-bit UVA platform.
     allocator_ = make_pinned_allocator(direct ? PinMode::kRegister : PinMode::kHostAlloc);
+    // The staged path's gathers/scatters move bytes within the GPU's memory. With the 4 CTAs
+    // that saturate PCIe they ran no faster than the link (a 64 MiB window copied and then
+    // scattered without overlap reached 0.53 of a contiguous copy), so the two-window pipeline
+    // stalled; 32 CTAs (a quarter of an H200's SMs, for microseconds per window) measured best:
+    // 0.96-0.99 on pages of 4 MiB and more, against 0.93-0.97 with 4 (BENCHMARKS.md).
+    int sms = 0;
+    HICACHE_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device_));
+    staged_blocks_ = std::clamp(sms / 4, opt_.max_blocks, 32);
   }
 
   void bind(const PageLayout& layout) override {
@@ -149,7 +157,7 @@ class CudaCopier final : public Copier {
       return copy_pages_dma(dir, moves, s);
     }
     if (plan_ != nullptr) {
-      if (StagingLane* l = lane(dir, s)) return l->copy(dir, moves, opt_.max_blocks, s);
+      if (StagingLane* l = lane(dir, s)) return l->copy(dir, moves, staged_blocks_, s);
     }
     table_->launch(dir, moves, opt_.max_blocks, s);
   }
@@ -259,6 +267,7 @@ class CudaCopier final : public Copier {
   bool staging_refused_ = false;  // a staging allocation failed: no further attempts
   std::vector<std::pair<cudaStream_t, std::unique_ptr<StagingLane>>> store_lanes_, load_lanes_;
   int vec_ = 16;
+  int staged_blocks_ = 4;  // CTAs of the staged path's gathers/scatters (HBM to HBM)
   CopyPath path_ = CopyPath::kKernel;
   const PageLayout* layout_ = nullptr;
 };
