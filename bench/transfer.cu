@@ -101,8 +101,7 @@ struct Setup {
   std::vector<hicache::PageMove> moves, moves2;  // two disjoint batches (two-direction test)
   std::size_t bytes = 0;
 
-  Setup(Geometry geo, int cuda_blocks, std::size_t staging_bytes = std::size_t{16} << 20)
-      : g(geo) {
+  Setup(Geometry geo, int cuda_blocks, std::size_t staging_bytes = std::size_t{16} << 20) : g(geo) {
     const std::int64_t num_blocks = 2 * g.pages + 2;
     for (int s = 0; s < g.segments; ++s) {
       void* p;

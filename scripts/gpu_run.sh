@@ -9,7 +9,10 @@
 #   test        ctest, the example engine, pytest
 #   sanitize    memcheck, racecheck, synccheck, initcheck over the GPU GoogleTests; memcheck over
 #               the GPU pytest file
-#   bench       bench/transfer (markdown into $OUT/bench_transfer.md), bench/transfer_matmul.py
+#   bench       bench/layouts.py (every layout through the Python API, default options), its
+#               --cpu-cost mode, bench/transfer_matmul.py (copies beside a bf16 matmul)
+#   paths       bench/layouts.py with every copy path forced (each path's limit per layout)
+#   bench-lowlevel  the C++ transfer benchmark (copier against cudaMemcpy variants, pinning)
 #   demo        hicache demo with a Llama-3-8B-shaped model, 8K-26K-token conversations
 #   soak-start  start bench/soak.py --device cuda detached (setsid), so it outlives this call
 #               (a call may run 10 minutes at most); later steps run beside it
@@ -85,9 +88,20 @@ sanitize)
     --error-exitcode 9 python3 -m pytest -q -p no:cacheprovider test_cuda.py -k 'not matmul'"
   ;;
 bench)
-  run bench-transfer build/gpu/hicache_bench_transfer --pool-gib ${POOL_GIB:-32} --out "$OUT/bench_transfer.md"
-  run bench-matmul python3 bench/transfer_matmul.py --cuda-blocks 4
+  run bench-layouts python3 bench/layouts.py --pages 16,1024 --reps 3 --json "$OUT/layouts.json"
+  cp "$LOGS/bench-layouts.log" "$OUT/bench_layouts.md"
+  run bench-cpu-cost python3 bench/layouts.py --cpu-cost --reps 3
+  cp "$LOGS/bench-cpu-cost.log" "$OUT/bench_cpu_cost.md"
+  run bench-matmul python3 bench/transfer_matmul.py --paths auto,dma,staged,kernel
   cp "$LOGS/bench-matmul.log" "$OUT/bench_matmul.md"
+  ;;
+paths)
+  run bench-paths python3 bench/layouts.py --paths dma,staged,kernel --pages 1024 \
+    --max-batch 536870912 --reps 2 --no-both --json "$OUT/paths.json"
+  cp "$LOGS/bench-paths.log" "$OUT/bench_paths.md"
+  ;;
+bench-lowlevel)
+  run bench-transfer build/gpu/hicache_bench_transfer --pool-gib ${POOL_GIB:-32} --out "$OUT/bench_transfer.md"
   ;;
 demo)
   # 2048-token prefill chunks: block-sized ones make the prefill so slow that the load hardly
@@ -118,6 +132,7 @@ esac
 done
 
 echo; cat "$OUT/sanitizers.txt" 2>/dev/null
-echo; cat "$OUT/bench_transfer.md" 2>/dev/null; echo; cat "$OUT/bench_matmul.md" 2>/dev/null
+echo; tail -5 "$OUT/bench_layouts.md" 2>/dev/null; echo; cat "$OUT/bench_cpu_cost.md" 2>/dev/null
+echo; cat "$OUT/bench_matmul.md" 2>/dev/null; echo; cat "$OUT/bench_transfer.md" 2>/dev/null
 echo; tail -22 "$OUT/demo_8b.md" 2>/dev/null
 echo; printf '%s\n' "${summary[@]}"

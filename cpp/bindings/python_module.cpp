@@ -47,8 +47,10 @@ hicache::Device device_of(const nb::ndarray<Ts...>& a, const std::string& what) 
 hicache::Segment segment_of(const nb::ndarray<>& a, std::size_t index) {
   const std::string what = "segment " + std::to_string(index);
   if (a.ndim() < 1) throw std::invalid_argument(what + ": needs a block dimension (ndim >= 1)");
-  if (a.shape(0) == 0) throw std::invalid_argument(what + " has no blocks (its first dimension is 0)");
-  if (a.size() == 0) throw std::invalid_argument(what + ": its blocks hold no bytes (a dimension is 0)");
+  if (a.shape(0) == 0)
+    throw std::invalid_argument(what + " has no blocks (its first dimension is 0)");
+  if (a.size() == 0)
+    throw std::invalid_argument(what + ": its blocks hold no bytes (a dimension is 0)");
   std::int64_t expected = 1;
   for (std::size_t d = a.ndim(); d-- > 1;) {
     if (a.shape(d) != 1 && a.stride(d) != expected) {
@@ -287,16 +289,15 @@ NB_MODULE(_core, m) {
              std::int64_t error_limit, int key_bits, std::size_t pool_chunk_bytes,
              const std::string& copier, int cuda_blocks, std::size_t cuda_staging_bytes,
              const std::string& cuda_path, bool pin_upfront, const std::string& eviction) {
-            new (self) PyCache(make_cache(std::move(segments), block_tokens, capacity_pages,
-                                          keep_tokens, state_bytes, capacity_states, state_lookback,
-                                          salt, error_limit, key_bits, pool_chunk_bytes, copier,
-                                          cuda_blocks, cuda_staging_bytes, cuda_path, pin_upfront,
-                                          eviction));
+            new (self) PyCache(make_cache(
+                std::move(segments), block_tokens, capacity_pages, keep_tokens, state_bytes,
+                capacity_states, state_lookback, salt, error_limit, key_bits, pool_chunk_bytes,
+                copier, cuda_blocks, cuda_staging_bytes, cuda_path, pin_upfront, eviction));
           },
           "segments"_a, "block_tokens"_a, "capacity_pages"_a, "keep_tokens"_a, "state_bytes"_a,
           "capacity_states"_a, "state_lookback"_a, "salt"_a, "error_limit"_a, "key_bits"_a,
-          "pool_chunk_bytes"_a, "copier"_a, "cuda_blocks"_a, "cuda_staging_bytes"_a,
-          "cuda_path"_a, "pin_upfront"_a, "eviction"_a)
+          "pool_chunk_bytes"_a, "copier"_a, "cuda_blocks"_a, "cuda_staging_bytes"_a, "cuda_path"_a,
+          "pin_upfront"_a, "eviction"_a)
       .def("try_resume", &try_resume, "request_id"_a, "prompt"_a.noconvert(), "allocate"_a,
            "stream"_a, "state_out"_a.noconvert().none(), "salt"_a.none())
       .def("store", &store, "request_id"_a, "tokens"_a.noconvert(), "block_ids"_a.noconvert(),

@@ -6,8 +6,7 @@
 
 namespace hicache::cuda {
 
-StagingPlan::StagingPlan(const PageLayout& layout, std::size_t window_target, int vec,
-                         int threads)
+StagingPlan::StagingPlan(const PageLayout& layout, std::size_t window_target, int vec, int threads)
     : table(std::make_unique<SegmentTable>(segment_rows(layout, 0, layout.segments().size()), vec,
                                            threads)),
       page_bytes(layout.page_bytes()),
@@ -81,7 +80,8 @@ void StagingLane::copy(Direction dir, std::span<const PageMove> moves, int max_b
     char* window = buffer_ + static_cast<std::size_t>(w) * plan_.window_bytes;
     staged_.clear();
     for (std::size_t i = 0; i < pages.size(); ++i) {
-      staged_.push_back({pages[i].block, reinterpret_cast<std::byte*>(window + i * plan_.page_bytes)});
+      staged_.push_back(
+          {pages[i].block, reinterpret_cast<std::byte*>(window + i * plan_.page_bytes)});
     }
     if (dir == Direction::kToDevice) {
       HICACHE_CUDA_CHECK(cudaStreamWaitEvent(stream_, kernel_done_[w], 0));  // window free

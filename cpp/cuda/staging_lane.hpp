@@ -66,11 +66,11 @@ class StagingLane {
   std::mutex mu_;
   char* buffer_ = nullptr;
   int next_ = 0;
-  cudaStream_t stream_ = nullptr;                  // DMA
+  cudaStream_t stream_ = nullptr;                    // DMA
   std::array<cudaEvent_t, kWindows> dma_done_{};     // per window: its last DMA
   std::array<cudaEvent_t, kWindows> kernel_done_{};  // per window: its last gather or scatter
-  std::vector<PageMove> staged_;                   // scratch: moves rewritten to window addresses
-  std::vector<void*> src_, dst_;                   // scratch: DMA pieces
+  std::vector<PageMove> staged_;                     // scratch: moves rewritten to window addresses
+  std::vector<void*> src_, dst_;                     // scratch: DMA pieces
   std::vector<std::size_t> sizes_;
 };
 

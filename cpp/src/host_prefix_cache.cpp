@@ -286,10 +286,10 @@ std::int64_t HostPrefixCache::try_resume(std::string_view request_id,
   }
   try {
     if (blocks->size() != h) {
-      throw std::invalid_argument("allocate(" + std::to_string(tokens) + ")'s result: " +
-                                  std::to_string(blocks->size()) + " block ids; expected " +
-                                  std::to_string(h) + " (one per " + std::to_string(B) +
-                                  "-token page)");
+      throw std::invalid_argument("allocate(" + std::to_string(tokens) +
+                                  ")'s result: " + std::to_string(blocks->size()) +
+                                  " block ids; expected " + std::to_string(h) + " (one per " +
+                                  std::to_string(B) + "-token page)");
     }
     layout_.check_blocks(*blocks, /*require_unique=*/true,
                          "allocate(" + std::to_string(tokens) + ")'s result");
@@ -345,7 +345,8 @@ std::int64_t HostPrefixCache::store(std::string_view request_id,
                                 std::to_string(n_full) + " full blocks but only " +
                                 std::to_string(block_ids.size()) + " block_ids were given");
   }
-  layout_.check_blocks(block_ids.first(static_cast<std::size_t>(n_full)), false, "store: block_ids");
+  layout_.check_blocks(block_ids.first(static_cast<std::size_t>(n_full)), false,
+                       "store: block_ids");
   const std::string_view chain_salt = salt.value_or(std::string_view(config_.salt));
   const std::vector<Key> keys =
       chain_keys(chain_salt, tokens, B, INT64_MAX, config_.key_bits);  // outside the lock
@@ -452,8 +453,8 @@ std::int64_t HostPrefixCache::store(std::string_view request_id,
         if (idx < 0) break;
         if (idx >= static_cast<std::int64_t>(serials.size())) continue;  // page not cached
         const auto u = static_cast<std::size_t>(idx);
-        if (!store_state(request_id, keys[u], serials[u], (idx + 1) * B, stream, state_export,
-                         lock, opened, unpinned)) {
+        if (!store_state(request_id, keys[u], serials[u], (idx + 1) * B, stream, state_export, lock,
+                         opened, unpinned)) {
           skipped = true;
         }
       }

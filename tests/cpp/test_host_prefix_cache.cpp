@@ -668,7 +668,7 @@ TEST(HostPrefixCache, BackgroundPinningPausesWhileHostMemoryIsShortAndPinsWhatIs
   HostPrefixCache cache(eng.segments(), {}, c, std::make_shared<hicache::CpuCopier>(alloc));
   EXPECT_TRUE(eventually(cache, [](const auto& s) { return s.host_bytes == 4 * 256; }));
   std::this_thread::sleep_for(std::chrono::milliseconds(250));  // past a second look
-  EXPECT_EQ(cache.stats().host_bytes, 4 * 256);  // paused there
+  EXPECT_EQ(cache.stats().host_bytes, 4 * 256);                 // paused there
   // A store reaching past the pinned part asks for the next chunk, which then comes.
   EXPECT_EQ(cache.store("a", tokens(6 * 16 + 1), ids(0, 7)), 4);
   EXPECT_EQ(cache.stats().store_skips_unpinned, 1);

@@ -32,9 +32,12 @@ cache = hicache.HostPrefixCache(t, block_tokens=16, capacity_pages=4)
 cache.store("old", list(range(100, 133)), [2, 3])
 {disable}
 t.resize_(64, 1 << 16)   # reallocates: the cache's pointer now dangles
+t[0] = 5.0               # in the new memory
 try:
-    cache.store("a", list(range(33)), [0, 1])
-    cache.try_resume("b", list(range(33)), lambda n: [2, 3])
+    cache.store("a", list(range(17)), [0])
+    cache.poll()
+    cache.try_resume("b", list(range(17)), lambda n: [2])
+    print("served right bytes" if bool((t[2] == 5.0).all()) else "served wrong bytes")
 except ValueError as e:
     print("refused:", e)
 """
@@ -64,13 +67,15 @@ def run_child(script: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_the_reallocation_guard_has_teeth() -> None:
-    # With the guard the process lives and says why; without it, the copy through the dangling
-    # pointer kills the process (the negative control, run in a child).
+    # With the guard the call is refused by name; without it (the negative control, run in a
+    # child), the copies go through the dangling pointer: the page served is not what the tensor
+    # holds, or the process dies (on this project's CPU machine it segfaults).
     guarded = run_child(RESIZE_SCRIPT.format(disable=""))
     assert guarded.returncode == 0, guarded.stderr
     assert "refused: segment 0 no longer points" in guarded.stdout
     unguarded = run_child(RESIZE_SCRIPT.format(disable="cache._check_segments = lambda: None"))
-    assert unguarded.returncode < 0, (unguarded.returncode, unguarded.stdout, unguarded.stderr)
+    outcome = (unguarded.returncode, unguarded.stdout, unguarded.stderr[-500:])
+    assert unguarded.returncode < 0 or "served wrong bytes" in unguarded.stdout, outcome
 
 
 def test_a_numpy_segment_cannot_be_resized_under_the_cache() -> None:

@@ -19,7 +19,7 @@ struct CacheStats {
   /// store calls cut short at a slot whose host memory was not pinned yet (pinning in the
   /// background had not caught up); not counted in store_skips
   std::int64_t store_skips_unpinned = 0;
-  std::int64_t collisions = 0;   ///< chain keys found holding other tokens
+  std::int64_t collisions = 0;  ///< chain keys found holding other tokens
   // transfers
   std::int64_t pages_stored = 0;
   std::int64_t pages_loaded = 0;

@@ -14,9 +14,10 @@
 //    pool is whole, so a pool is all there within seconds of start-up instead of growing one
 //    chunk per burst of stores. It pauses while the allocator reports too little host memory
 //    left (HostAllocator::room_for), looking again every 200 ms, and stops after a failed
-//    allocation; a chunk whose slot is asked for is allocated meanwhile all the same. slot() never blocks: it returns nullptr while its chunk is not there yet, and
-//    the cache skips that store (counted). Pinning does not wait for the GPU (measured on an
-//    H200: 48 ms for 256 MiB while a 100 ms kernel ran, 51 ms idle).
+//    allocation; a chunk whose slot is asked for is allocated meanwhile all the same. slot() never
+//    blocks: it returns nullptr while its chunk is not there yet, and the cache skips that store
+//    (counted). Pinning does not wait for the GPU (measured on an H200: 48 ms for 256 MiB while a
+//    100 ms kernel ran, 51 ms idle).
 //  - kUpFront: every chunk is allocated by the constructor (predictable, nothing left to pin).
 
 #include <condition_variable>
@@ -91,11 +92,11 @@ class HostPool {
     std::string failure;
   };
   std::size_t chunk_size(std::size_t c) const;
-  Chunk& chunk(std::size_t c);          // grows chunks_ to hold c; caller holds mu_
-  void allocate_now(std::size_t c);     // caller holds mu_
-  void request(std::size_t c);          // caller holds mu_
-  bool next_job(std::size_t& c);        // caller holds mu_: the chunk the thread pins next
-  void start_thread();                  // caller holds mu_
+  Chunk& chunk(std::size_t c);       // grows chunks_ to hold c; caller holds mu_
+  void allocate_now(std::size_t c);  // caller holds mu_
+  void request(std::size_t c);       // caller holds mu_
+  bool next_job(std::size_t& c);     // caller holds mu_: the chunk the thread pins next
+  void start_thread();               // caller holds mu_
   void worker();
 
   std::size_t slot_bytes_;
@@ -108,12 +109,12 @@ class HostPool {
 
   mutable std::mutex mu_;
   std::condition_variable cv_;
-  std::vector<Chunk> chunks_;          // [0, highest chunk touched]; never sized from num_slots
+  std::vector<Chunk> chunks_;  // [0, highest chunk touched]; never sized from num_slots
   std::size_t allocated_bytes_ = 0;
-  std::vector<std::size_t> queue_;     // chunks asked for by slot(), pinned first
-  std::size_t sweep_next_ = 1;         // kBackground: next chunk the sweep pins
-  bool sweep_stopped_ = false;         // kBackground: an allocation failed: pin only when asked
-  bool sweep_waiting_ = false;         // kBackground: too little host memory now; look again soon
+  std::vector<std::size_t> queue_;  // chunks asked for by slot(), pinned first
+  std::size_t sweep_next_ = 1;      // kBackground: next chunk the sweep pins
+  bool sweep_stopped_ = false;      // kBackground: an allocation failed: pin only when asked
+  bool sweep_waiting_ = false;      // kBackground: too little host memory now; look again soon
   bool stopping_ = false;
   bool busy_ = false;
   std::thread thread_;
