@@ -1,6 +1,6 @@
 // The CUDA copier: CUDA events as fences, pinned mapped host memory for the pools, and one of
 // three paths a layout (CopyPath), chosen at bind() unless the options force one:
-//  - DMA: every chunk is large (>= 1 MiB): one cudaMemcpyBatchAsync a batch.
+//  - DMA: every chunk is 1 MiB or more: each a DMA piece, in cudaMemcpyBatchAsync batches.
 //  - staged: pages are large but their chunks are not (layer-major pools): host pages cross
 //    PCIe whole on the DMA engines through a device staging buffer (staging_lane.hpp).
 //  - kernel: small pages: the gather/scatter kernel copies across PCIe through UVA pointers.
@@ -24,11 +24,18 @@ namespace hicache {
 namespace cuda {
 namespace {
 
-// The automatic choice (measured on an H200, BENCHMARKS.md): the DMA engines reach 0.99 of the
-// contiguous rate on chunks of 1 MiB and more, but only 0.84-0.91 on 256 KiB chunks and far less
-// on smaller ones; the kernel across PCIe reaches ~0.92; staging pays from pages of 512 KiB.
+// The automatic choice (measured on an H200 through the Python API, BENCHMARKS.md). Chunks of
+// 1 MiB and more: the DMA engines, 0.98-0.99 of one contiguous copy. Smaller chunks in pages of
+// 512 KiB and more (layer-major pools): staged, 0.96-0.98 alone and 0.94-0.96 with a store and a
+// load at once. The DMA engines match that alone from 128 KiB chunks and keep their rate beside
+// compute, where the staged scatter waits for SMs (0.54-0.67 of its rate beside a bf16 matmul),
+// but a store and a load issued together reach only 0.75-0.91 (the calling thread submits
+// thousands of pieces for each) and the engine's thread spends ~5 ms a GiB submitting: engines
+// whose copies run beside heavy compute can choose cuda_path="dma". Smaller pages: the kernel.
 constexpr std::size_t kDmaMinChunk = std::size_t{1} << 20;
 constexpr std::size_t kStagedMinPage = std::size_t{512} << 10;
+// DMA pieces submitted in one cudaMemcpyBatchAsync (see copy_pages_dma).
+constexpr std::size_t kDmaBatch = 128;
 
 CopyPath choose_path(const PageLayout& layout, const CudaCopierOptions& opt) {
   if (opt.path != CopyPath::kAuto) return opt.path;
@@ -227,14 +234,23 @@ class CudaCopier final : public Copier {
     return lanes[std::hash<cudaStream_t>{}(s) % lanes.size()].second.get();
   }
 
-  // Large chunks: one batched DMA submission, no SM used.
+  // Every chunk a DMA piece, no SM used. Submitted in batches of kDmaBatch pieces as the list is
+  // built, so the engines start on the first pieces while the driver takes the rest: one batch
+  // of a whole call (7,259 pieces for 1 GiB of MLA pages) held every copy back until the driver
+  // had taken all of it.
   void copy_pages_dma(Direction dir, std::span<const PageMove> moves, cudaStream_t s) {
     const auto& segs = layout_->segments();
     std::vector<void*> dst, src;
     std::vector<std::size_t> sizes;
-    dst.reserve(moves.size() * segs.size());
-    src.reserve(dst.capacity());
-    sizes.reserve(dst.capacity());
+    dst.reserve(kDmaBatch);
+    src.reserve(kDmaBatch);
+    sizes.reserve(kDmaBatch);
+    auto submit = [&] {
+      copy_batch(dst.data(), src.data(), sizes.data(), sizes.size(), s);
+      dst.clear();
+      src.clear();
+      sizes.clear();
+    };
     for (const PageMove& m : moves) {
       for (std::size_t i = 0; i < segs.size(); ++i) {
         void* dev = layout_->block_address(i, m.block);
@@ -242,9 +258,10 @@ class CudaCopier final : public Copier {
         src.push_back(dir == Direction::kToHost ? dev : host);
         dst.push_back(dir == Direction::kToHost ? host : dev);
         sizes.push_back(static_cast<std::size_t>(segs[i].block_bytes));
+        if (sizes.size() == kDmaBatch) submit();
       }
     }
-    copy_batch(dst.data(), src.data(), sizes.data(), sizes.size(), s);
+    submit();
   }
 
   void check_on_device(const void* p, std::size_t s, const char* what) const {

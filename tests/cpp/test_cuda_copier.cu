@@ -198,7 +198,7 @@ TEST(CudaCopier, ThePathFollowsTheLayout) {
     const hicache::PageLayout layout(pool.segments(), kGpu);
     return std::string(bound_copier(layout, opt)->path());
   };
-  DevicePool large_chunks(4, {1 << 20, 1 << 20});
+  DevicePool large_chunks(4, {1 << 20, 1 << 20});                     // chunks >= 1 MiB
   DevicePool layer_major(4, std::vector<std::int64_t>(8, 64 << 10));  // 512 KiB pages
   DevicePool small_pages(4, std::vector<std::int64_t>(8, 32 << 10));  // 256 KiB pages
   EXPECT_EQ(path_for(large_chunks), "dma");
@@ -439,16 +439,19 @@ TEST(CudaCopier, PollRetiresEachStreamIndependently) {
 TEST(CudaCopier, StoresNeverWaitForTheEnginesStream) {
   // A store must never make the engine's thread wait for work already queued on the GPU (the
   // copy kernels are loaded when the cache is built: CUDA's lazy loading would otherwise wait
-  // for running kernels at the first launch), on the kernel path (256 KiB pages) and on the
-  // staged path (1 MiB layer-major pages, whose staging is allocated at the first store).
+  // for running kernels at the first launch), on the kernel path (64 KiB pages), the staged
+  // path (1 MiB layer-major pages of 64 KiB chunks, whose staging is allocated at the first
+  // store) and the DMA path (1 MiB chunks).
   if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
   cudaStream_t s;
   CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
   for (const auto& chunks :
-       {std::vector<std::int64_t>{256 << 10}, std::vector<std::int64_t>(4, 256 << 10)}) {
+       {std::vector<std::int64_t>{64 << 10}, std::vector<std::int64_t>(16, 64 << 10),
+        std::vector<std::int64_t>(2, 1 << 20)}) {
     SCOPED_TRACE(chunks.size());
     DevicePool pool(16, chunks);
-    const std::int64_t page = 256 * 1024 * static_cast<std::int64_t>(chunks.size());
+    std::int64_t page = 0;
+    for (std::int64_t b : chunks) page += b;
     hicache::CacheConfig c = config(8);
     c.pool_chunk_bytes = static_cast<std::size_t>(2 * page);  // two pages a chunk, four chunks
     c.pin_upfront = true;
