@@ -72,7 +72,10 @@ step "Python: build and install the wheel"
 python -m pip install -q --no-build-isolation . >"$logs/pip-install.log" 2>&1 || { cat "$logs/pip-install.log"; exit 1; }
 
 step "Python: pytest"
-(cd tests/py && python -m pytest -q -p no:cacheprovider .)
+(cd tests/py && python -m pytest -q -p no:cacheprovider --ignore=test_boundary_properties.py .)
+
+step "Python boundary, property-based (hypothesis): every argument of every method, hostile values"
+(cd tests/py && python -m pytest -q -s -p no:cacheprovider test_boundary_properties.py)
 
 step "fuzz: 20,000 coverage-guided inputs, C++ cache against the reference (atheris)"
 python tests/fuzz/fuzz_policy.py -runs=20000 -max_len=512 -len_control=0 -seed=1 >"$logs/fuzz.log" 2>&1 ||

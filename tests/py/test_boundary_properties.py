@@ -303,4 +303,11 @@ def test_every_target_ran_its_examples() -> None:
     # Runs after the property test (pytest keeps file order): each target saw every example.
     missing = {t: ran[t] for t in TARGETS if ran[t] < EXAMPLES}
     assert not missing, missing
-    print("\nexamples per target:", dict(ran))
+    print(f"\n{sum(ran.values())} generated values over {len(TARGETS)} arguments and callback results:")
+    for method in ("HostPrefixCache()", "try_resume", "store", "forget", "complete_transfers", "chain_keys"):
+        mine = {
+            t: n
+            for t, n in ran.items()
+            if t.split(".")[0] == method or (method == "HostPrefixCache()" and "." not in t)
+        }
+        print(f"  {method}: " + ", ".join(f"{t.split('.')[-1]} {n}" for t, n in mine.items()))
