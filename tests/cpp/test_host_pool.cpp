@@ -98,27 +98,30 @@ class GatedAllocator : public hicache::HostAllocator {
 
 }  // namespace
 
-TEST(HostPool, AheadModeAllocatesTheFirstChunkUpFrontAndTheNextInTheBackground) {
+TEST(HostPool, BackgroundModeAllocatesTheFirstChunkUpFrontAndTheRestInTheBackground) {
   auto alloc = std::make_shared<GatedAllocator>();
   hicache::HostPool pool(1024, 8, 4096, alloc, hicache::HostPool::Growth::kBackground);
   EXPECT_EQ(pool.allocated_bytes(), 4096u);  // chunk 0, by the constructor
-  EXPECT_NE(pool.slot(0), nullptr);          // ... and chunk 1 is now requested
-  EXPECT_EQ(pool.slot(4), nullptr);          // still being allocated: never blocks
+  EXPECT_NE(pool.slot(0), nullptr);          // chunk 1 is being allocated (held at the gate)
+  EXPECT_EQ(pool.slot(4), nullptr);          // not there yet: never blocks
   alloc->release();
   pool.wait_idle();
   EXPECT_NE(pool.slot(4), nullptr);
   EXPECT_EQ(pool.allocated_bytes(), 8192u);
 }
 
-TEST(HostPool, AheadModeReportsABackgroundFailureOnceThenRetries) {
+TEST(HostPool, BackgroundModeReportsAFailureOnceThenAllocatesWhenAskedAgain) {
   auto alloc = std::make_shared<GatedAllocator>();
   hicache::HostPool pool(1024, 8, 4096, alloc, hicache::HostPool::Growth::kBackground);
-  alloc->fail_next = true;
+  {
+    std::lock_guard<std::mutex> g(alloc->mu);
+    alloc->fail_next = true;  // the background allocation of chunk 1 fails
+  }
   alloc->release();
-  EXPECT_EQ(pool.slot(4), nullptr);  // requests chunk 1, which fails in the background
-  pool.wait_idle();
-  EXPECT_THROW(pool.slot(4), hicache::Error);
-  EXPECT_EQ(pool.slot(4), nullptr);  // asked again
+  pool.wait_idle();                           // it has failed; the sweep stops there
+  EXPECT_THROW(pool.slot(4), hicache::Error);  // the failure, reported once
+  EXPECT_EQ(pool.slot(4), nullptr);            // asked again, in the background
   pool.wait_idle();
   EXPECT_NE(pool.slot(4), nullptr);
+  EXPECT_EQ(pool.allocated_bytes(), 8192u);
 }
