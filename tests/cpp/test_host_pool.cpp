@@ -118,7 +118,7 @@ TEST(HostPool, BackgroundModeReportsAFailureOnceThenAllocatesWhenAskedAgain) {
     alloc->fail_next = true;  // the background allocation of chunk 1 fails
   }
   alloc->release();
-  pool.wait_idle();                           // it has failed; the sweep stops there
+  pool.wait_idle();                            // it has failed; the sweep stops there
   EXPECT_THROW(pool.slot(4), hicache::Error);  // the failure, reported once
   EXPECT_EQ(pool.slot(4), nullptr);            // asked again, in the background
   pool.wait_idle();
