@@ -44,8 +44,8 @@ HostPrefixCache::HostPrefixCache(std::vector<Segment> segments, Device device, C
   }
   copier_->bind(layout_);
   auto alloc = copier_->host_allocator();
-  // Pinning is slow: such pools are pinned at start-up, or grow ahead of use off the engine's
-  // thread (see CacheConfig::pin_upfront).
+  // Pinning is slow: such pools are pinned at start-up, or in the background from start-up on,
+  // off the engine's thread (see CacheConfig::pin_upfront).
   const auto growth = !alloc->allocation_is_slow() ? HostPool::Growth::kOnDemand
                       : config_.pin_upfront        ? HostPool::Growth::kUpFront
                                                    : HostPool::Growth::kBackground;

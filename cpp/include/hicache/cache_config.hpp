@@ -35,10 +35,11 @@ struct CacheConfig {
   /// Target size of one host allocation (pinning runs fastest in large chunks: 11.5 GB/s with
   /// 1 GiB against 5.2 GB/s with 256 MiB, measured on an H200 host).
   std::size_t pool_chunk_bytes = std::size_t{1} << 30;
-  /// Pinned pools (CUDA): false (default) pins the first chunk at construction and each next one
-  /// on a background thread, one chunk ahead of use; stores that outrun the pinning skip (best
-  /// effort, counted). true pins the whole pool at construction (13 GB/s measured on an H200
-  /// host). CPU pools always grow on demand.
+  /// Pinned pools (CUDA): false (default) pins the first chunk at construction and the rest on a
+  /// background thread, chunk after chunk, until the pool is whole (pausing while host memory is
+  /// short, see HostAllocator::room_for); stores that outrun the pinning skip (best effort,
+  /// counted in store_skips_unpinned). true pins the whole pool at construction (13 GB/s
+  /// measured on an H200 host). CPU pools always grow on demand.
   bool pin_upfront = false;
 
   /// @throws std::invalid_argument naming the first bad field.
