@@ -28,7 +28,7 @@ namespace {
 // 1 MiB and more: the DMA engines, 0.98-0.99 of one contiguous copy. Smaller chunks in pages of
 // 512 KiB and more (layer-major pools): staged, 0.96-0.98 alone and 0.94-0.96 with a store and a
 // load at once. The DMA engines match that alone from 128 KiB chunks and keep their rate beside
-// compute, where the staged scatter waits for SMs (0.54-0.67 of its rate beside a bf16 matmul),
+// compute, where the staged scatter waits for SMs (0.56-0.67 of its rate beside a bf16 matmul),
 // but a store and a load issued together reach only 0.75-0.91 (the calling thread submits
 // thousands of pieces for each) and the engine's thread spends ~5 ms a GiB submitting: engines
 // whose copies run beside heavy compute can choose cuda_path="dma". Smaller pages: the kernel.

@@ -49,11 +49,11 @@ class HostPrefixCache:
         cuda_path: how pages cross PCIe: ``"auto"`` (default: chosen from the layout),
             ``"dma"``, ``"staged"`` or ``"kernel"`` (see :attr:`copy_path`). ``"dma"`` suits
             layer-major pools whose copies run beside heavy compute: on an H200 it keeps the
-            full link beside a bf16 matmul where the staged path keeps 0.54-0.67 of its rate,
+            full link beside a bf16 matmul where the staged path keeps about 0.6 of its rate,
             at more CPU time per call and slower stores and loads issued together.
         pool_chunk_bytes: size of one host allocation.
         pin_upfront: CUDA only. False (default): pin the first chunk now and the rest on a
-            background thread, one chunk after another until the pool is whole (stopping while
+            background thread, one chunk after another until the pool is whole (pausing while
             host memory runs short; stores that outrun the pinning are skipped and counted in
             ``store_skips_unpinned``). True: pin the whole pool now (about 13 GB/s on an H200
             host).
