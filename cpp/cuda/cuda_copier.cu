@@ -142,15 +142,14 @@ class CudaCopier final : public Copier {
     // (measured on an H200: 101 ms behind a 100 ms kernel). Loading them here, at start-up,
     // keeps that off the serving path.
     SegmentTable::load_kernels();
-    table_ =
-        std::make_unique<SegmentTable>(segment_rows(layout, 0, segs.size()), vec_, opt_.threads);
-    store_lanes_.clear();
+    store_lanes_.clear();  // before the plan and the table they use
     load_lanes_.clear();
     staging_refused_ = false;
     plan_.reset();
+    table_ = std::make_unique<SegmentTable>(segment_rows(layout), vec_, opt_.threads);
     if (path_ == CopyPath::kStaged) {
       plan_ = std::make_unique<StagingPlan>(layout, opt_.staging_bytes / StagingLane::kWindows,
-                                            vec_, opt_.threads);
+                                            *table_);
     }
   }
 
@@ -278,7 +277,7 @@ class CudaCopier final : public Copier {
   CudaCopierOptions opt_;
   std::shared_ptr<EventPool> events_;
   std::shared_ptr<HostAllocator> allocator_;
-  std::unique_ptr<SegmentTable> table_;  // whole pages, for the kernel across PCIe
+  std::unique_ptr<SegmentTable> table_;  // whole pages: the kernel across PCIe, and staging
   std::unique_ptr<StagingPlan> plan_;    // staged path only
   std::mutex lanes_mu_;
   bool staging_refused_ = false;  // a staging allocation failed: no further attempts

@@ -29,13 +29,13 @@ void load_pair() {
 
 }  // namespace
 
-std::vector<SegmentDesc> segment_rows(const PageLayout& layout, std::size_t lo, std::size_t hi) {
+std::vector<SegmentDesc> segment_rows(const PageLayout& layout) {
   const auto& segs = layout.segments();
   std::vector<SegmentDesc> rows;
-  rows.reserve(hi - lo);
-  for (std::size_t s = lo; s < hi; ++s) {
+  rows.reserve(segs.size());
+  for (std::size_t s = 0; s < segs.size(); ++s) {
     rows.push_back({static_cast<char*>(segs[s].base), segs[s].block_stride, segs[s].block_bytes,
-                    static_cast<long long>(layout.page_offset(s) - layout.page_offset(lo)), 0});
+                    static_cast<long long>(layout.page_offset(s)), 0});
   }
   return rows;
 }

@@ -14,9 +14,9 @@
 
 namespace hicache::cuda {
 
-/// Segments [lo, hi) of `layout` as the kernel sees them, their host offsets counted from segment
-/// lo's (the start of the bytes a copy moves per page); first_tile is left to SegmentTable.
-std::vector<SegmentDesc> segment_rows(const PageLayout& layout, std::size_t lo, std::size_t hi);
+/// The segments of `layout` as the kernel sees them, with their offsets in a host page;
+/// first_tile is left to SegmentTable.
+std::vector<SegmentDesc> segment_rows(const PageLayout& layout);
 
 class SegmentTable {
  public:

@@ -6,9 +6,9 @@
 
 namespace hicache::cuda {
 
-StagingPlan::StagingPlan(const PageLayout& layout, std::size_t window_target, int vec, int threads)
-    : table(std::make_unique<SegmentTable>(segment_rows(layout, 0, layout.segments().size()), vec,
-                                           threads)),
+StagingPlan::StagingPlan(const PageLayout& layout, std::size_t window_target,
+                         const SegmentTable& table)
+    : table(table),
       page_bytes(layout.page_bytes()),
       pages_per_window(std::max<std::size_t>(1, window_target / layout.page_bytes())),
       window_bytes((pages_per_window * page_bytes + 255) / 256 * 256) {}
@@ -88,11 +88,11 @@ void StagingLane::copy(Direction dir, std::span<const PageMove> moves, int max_b
       dma(dir, pages, window);
       HICACHE_CUDA_CHECK(cudaEventRecord(dma_done_[w], stream_));
       HICACHE_CUDA_CHECK(cudaStreamWaitEvent(caller, dma_done_[w], 0));
-      plan_.table->launch(dir, staged_, max_blocks, caller);
+      plan_.table.launch(dir, staged_, max_blocks, caller);
       HICACHE_CUDA_CHECK(cudaEventRecord(kernel_done_[w], caller));
     } else {
       HICACHE_CUDA_CHECK(cudaStreamWaitEvent(caller, dma_done_[w], 0));  // window free
-      plan_.table->launch(dir, staged_, max_blocks, caller);
+      plan_.table.launch(dir, staged_, max_blocks, caller);
       HICACHE_CUDA_CHECK(cudaEventRecord(kernel_done_[w], caller));
       HICACHE_CUDA_CHECK(cudaStreamWaitEvent(stream_, kernel_done_[w], 0));
       dma(dir, pages, window);

@@ -35,13 +35,15 @@ namespace hicache::cuda {
 
 /// The shape of a lane's windows for one layout.
 struct StagingPlan {
-  std::unique_ptr<SegmentTable> table;  // whole pages, host offsets relative to the page
+  const SegmentTable&
+      table;  // the copier's, for whole pages: a window holds pages as host slots do
   std::size_t page_bytes = 0;
   std::size_t pages_per_window = 1;
   std::size_t window_bytes = 0;
 
   /// @param window_target bytes a window should hold; at least one page whatever it is.
-  StagingPlan(const PageLayout& layout, std::size_t window_target, int vec, int threads);
+  /// @param table must outlive the plan.
+  StagingPlan(const PageLayout& layout, std::size_t window_target, const SegmentTable& table);
 };
 
 class StagingLane {

@@ -160,12 +160,7 @@ void HostPool::worker() {
         cv_.wait(lock);
       }
     }
-    if (stopping_) {
-      if (c < chunks_.size() && chunks_[c].state == State::kRequested) {
-        chunks_[c].state = State::kNone;
-      }
-      return;
-    }
+    if (stopping_) return;  // checked before any job is taken: none is left half done
     busy_ = true;
     const std::size_t bytes = chunk_size(c);
     lock.unlock();  // the allocation takes tens of milliseconds: never under the lock

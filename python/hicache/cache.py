@@ -133,9 +133,8 @@ class HostPrefixCache:
         # Torch lets an engine reallocate a tensor in place (resize_, set_): the cache would then
         # copy through a dangling pointer. Every call that copies first checks that each segment
         # still points where it did (one data_ptr() a segment: ~6 us for 128 segments).
-        self._torch_segments = [(i, s) for i, s in enumerate(segs) if _arrays.is_torch_tensor(s)]
-        self._segment_ptrs = [s.data_ptr() for _, s in self._torch_segments]
-        self._segment_tensors = [s for _, s in self._torch_segments]
+        self._segment_tensors = [s for s in segs if _arrays.is_torch_tensor(s)]
+        self._segment_ptrs = [*map(_data_ptr, self._segment_tensors)]
         self._core = _CoreCache(
             capsules,
             block_tokens,
@@ -160,11 +159,9 @@ class HostPrefixCache:
 
     def _check_segments(self) -> None:
         if self._segment_tensors and [*map(_data_ptr, self._segment_tensors)] != self._segment_ptrs:
-            moved = next(
-                i
-                for (i, s), p in zip(self._torch_segments, self._segment_ptrs, strict=True)
-                if s.data_ptr() != p
-            )
+            pairs = zip(self._segment_tensors, self._segment_ptrs, strict=True)
+            tensor = next(t for t, p in pairs if t.data_ptr() != p)
+            moved = next(i for i, s in enumerate(self._segments) if s is tensor)
             raise ValueError(
                 f"segment {moved} no longer points to the memory the cache was built over (resized "
                 "or re-set after construction?); build a new cache over the engine's current KV tensors"
