@@ -80,6 +80,8 @@ hicache::DeviceBuffer buffer_of(const nb::ndarray<Ts...>& a, const std::string& 
   return {const_cast<void*>(static_cast<const void*>(a.data())), a.nbytes(), device_of(a, what)};
 }
 
+hicache::EvictionPolicy parse_eviction(const std::string& eviction);
+
 // Owns the engine tensors for as long as the cache may copy to or from them. Members are
 // destroyed in reverse order: the cache (which waits for transfers) before the tensors.
 struct PyCache {
@@ -93,7 +95,8 @@ PyCache make_cache(std::vector<nb::ndarray<>> segments, std::int64_t block_token
                    std::int64_t capacity_states, std::int64_t state_lookback, nb::bytes salt,
                    std::int64_t error_limit, int key_bits, std::size_t pool_chunk_bytes,
                    const std::string& copier, int cuda_blocks, std::size_t cuda_staging_bytes,
-                   const std::string& cuda_path, bool pin_upfront, const std::string& eviction) {
+                   const std::string& cuda_path, bool pin_upfront, const std::string& eviction,
+                   const std::string& admission) {
   PyCache out;
   std::vector<hicache::Segment> segs;
   hicache::Device device{};
@@ -119,13 +122,8 @@ PyCache make_cache(std::vector<nb::ndarray<>> segments, std::int64_t block_token
   c.key_bits = key_bits;
   c.pool_chunk_bytes = pool_chunk_bytes;
   c.pin_upfront = pin_upfront;
-  if (eviction == "lru") {
-    c.eviction = hicache::EvictionPolicy::kLru;
-  } else if (eviction == "leaf-first") {
-    c.eviction = hicache::EvictionPolicy::kLeafFirst;
-  } else {
-    throw std::invalid_argument("eviction must be 'leaf-first' or 'lru', not '" + eviction + "'");
-  }
+  c.eviction = parse_eviction(eviction);
+  c.admission = hicache::parse_admission(admission);
   hicache::CudaCopierOptions cuda_options;
   cuda_options.max_blocks = cuda_blocks;
   cuda_options.staging_bytes = cuda_staging_bytes;
@@ -166,6 +164,33 @@ PyCache make_cache(std::vector<nb::ndarray<>> segments, std::int64_t block_token
   out.cache = std::make_unique<hicache::HostPrefixCache>(std::move(segs), device, c, chosen);
   out.segments = std::move(segments);
   return out;
+}
+
+hicache::EvictionPolicy parse_eviction(const std::string& eviction) {
+  if (eviction == "lru") return hicache::EvictionPolicy::kLru;
+  if (eviction == "leaf-first") return hicache::EvictionPolicy::kLeafFirst;
+  throw std::invalid_argument("eviction must be 'leaf-first' or 'lru', not '" + eviction + "'");
+}
+
+using U64s = nb::ndarray<const std::uint64_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
+using U32s = nb::ndarray<const std::uint32_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
+
+nb::dict replay_dict(const hicache::ReplayResult& r) {
+  nb::dict d;
+  d["served_pages"] = r.served_pages;
+  d["requests_hit"] = r.requests_hit;
+  d["pages_stored"] = r.pages_stored;
+  d["pages_declined"] = r.pages_declined;
+  d["evictions"] = r.evictions;
+  return d;
+}
+
+hicache::ReplayTrace replay_trace(const U64s& block_ids, const U32s& sub_pages,
+                                  const BlockIds& offsets, const BlockIds& hit_limit) {
+  return {{block_ids.data(), block_ids.shape(0)},
+          {sub_pages.data(), sub_pages.shape(0)},
+          {offsets.data(), offsets.shape(0)},
+          {hit_limit.data(), hit_limit.shape(0)}};
 }
 
 std::optional<std::string_view> salt_view(const std::optional<nb::bytes>& salt) {
@@ -247,6 +272,39 @@ NB_MODULE(_core, m) {
       "salt"_a, "tokens"_a.noconvert(), "block_tokens"_a, "key_bits"_a = 128,
       "16-byte chain keys of every full block of int32 `tokens`.");
 
+  m.def(
+      "replay_policy",
+      [](U64s block_ids, U32s sub_pages, BlockIds offsets, BlockIds hit_limit,
+         std::int64_t capacity_pages, const std::string& eviction, const std::string& admission) {
+        const auto ev = parse_eviction(eviction);
+        const auto ad = hicache::parse_admission(admission);
+        hicache::ReplayResult r;
+        {
+          nb::gil_scoped_release release;
+          r = hicache::replay_policy(replay_trace(block_ids, sub_pages, offsets, hit_limit),
+                                     capacity_pages, ev, ad);
+        }
+        return replay_dict(r);
+      },
+      "block_ids"_a.noconvert(), "sub_pages"_a.noconvert(), "offsets"_a.noconvert(),
+      "hit_limit"_a.noconvert(), "capacity_pages"_a, "eviction"_a, "admission"_a,
+      "Replays a trace of pages through the index and admission policy (see trace_replay.hpp).");
+  m.def(
+      "replay_optimum",
+      [](U64s block_ids, U32s sub_pages, BlockIds offsets, BlockIds hit_limit,
+         std::int64_t capacity_pages) {
+        hicache::ReplayResult r;
+        {
+          nb::gil_scoped_release release;
+          r = hicache::replay_optimum(replay_trace(block_ids, sub_pages, offsets, hit_limit),
+                                      capacity_pages);
+        }
+        return replay_dict(r);
+      },
+      "block_ids"_a.noconvert(), "sub_pages"_a.noconvert(), "offsets"_a.noconvert(),
+      "hit_limit"_a.noconvert(), "capacity_pages"_a,
+      "Belady's offline optimum over the same pages and hit rule.");
+
   nb::class_<hicache::CacheStats>(m, "CacheStats")
       .def_ro("lookups", &hicache::CacheStats::lookups)
       .def_ro("lookup_tokens", &hicache::CacheStats::lookup_tokens)
@@ -257,6 +315,9 @@ NB_MODULE(_core, m) {
       .def_ro("store_skips", &hicache::CacheStats::store_skips)
       .def_ro("store_skips_unpinned", &hicache::CacheStats::store_skips_unpinned)
       .def_ro("collisions", &hicache::CacheStats::collisions)
+      .def_ro("pages_declined", &hicache::CacheStats::pages_declined)
+      .def_ro("admitting_second_sightings_only",
+              &hicache::CacheStats::admitting_second_sightings_only)
       .def_ro("pages_stored", &hicache::CacheStats::pages_stored)
       .def_ro("pages_loaded", &hicache::CacheStats::pages_loaded)
       .def_ro("pages_evicted", &hicache::CacheStats::pages_evicted)
@@ -288,16 +349,18 @@ NB_MODULE(_core, m) {
              std::int64_t capacity_states, std::int64_t state_lookback, nb::bytes salt,
              std::int64_t error_limit, int key_bits, std::size_t pool_chunk_bytes,
              const std::string& copier, int cuda_blocks, std::size_t cuda_staging_bytes,
-             const std::string& cuda_path, bool pin_upfront, const std::string& eviction) {
-            new (self) PyCache(make_cache(
-                std::move(segments), block_tokens, capacity_pages, keep_tokens, state_bytes,
-                capacity_states, state_lookback, salt, error_limit, key_bits, pool_chunk_bytes,
-                copier, cuda_blocks, cuda_staging_bytes, cuda_path, pin_upfront, eviction));
+             const std::string& cuda_path, bool pin_upfront, const std::string& eviction,
+             const std::string& admission) {
+            new (self) PyCache(make_cache(std::move(segments), block_tokens, capacity_pages,
+                                          keep_tokens, state_bytes, capacity_states, state_lookback,
+                                          salt, error_limit, key_bits, pool_chunk_bytes, copier,
+                                          cuda_blocks, cuda_staging_bytes, cuda_path, pin_upfront,
+                                          eviction, admission));
           },
           "segments"_a, "block_tokens"_a, "capacity_pages"_a, "keep_tokens"_a, "state_bytes"_a,
           "capacity_states"_a, "state_lookback"_a, "salt"_a, "error_limit"_a, "key_bits"_a,
           "pool_chunk_bytes"_a, "copier"_a, "cuda_blocks"_a, "cuda_staging_bytes"_a, "cuda_path"_a,
-          "pin_upfront"_a, "eviction"_a)
+          "pin_upfront"_a, "eviction"_a, "admission"_a)
       .def("try_resume", &try_resume, "request_id"_a, "prompt"_a.noconvert(), "allocate"_a,
            "stream"_a, "state_out"_a.noconvert().none(), "salt"_a.none())
       .def("store", &store, "request_id"_a, "tokens"_a.noconvert(), "block_ids"_a.noconvert(),

@@ -38,7 +38,8 @@ HostPrefixCache::HostPrefixCache(std::vector<Segment> segments, Device device, C
       config_(validated(std::move(config))),
       copier_(copier ? std::move(copier) : default_copier(device)),
       pages_(config_.capacity_pages, config_.eviction),
-      states_(config_.state_bytes > 0 ? config_.capacity_states : 0) {
+      states_(config_.state_bytes > 0 ? config_.capacity_states : 0),
+      admission_(make_admission_policy(config_.admission, config_.capacity_pages)) {
   if (!copier_->supports(device)) {
     throw std::invalid_argument("the copier cannot reach segments on " + device.str());
   }
@@ -356,6 +357,7 @@ std::int64_t HostPrefixCache::store(std::string_view request_id,
   note_request(request_id);
   if (disabled_) return 0;
   ++stats_.stores;
+  admission_->observe(std::span<const Key>(keys).first(static_cast<std::size_t>(n_full)));
 
   // Transfers of this call stay open (never retired, so never published) until it returns; if
   // it throws (a state buffer of the wrong size, an exception from state_export), they are
@@ -400,8 +402,14 @@ std::int64_t HostPrefixCache::store(std::string_view request_id,
         skipped = true;
         break;
       }
-      pages_.erase(e);  // stale: stored under a parent that has since been evicted
     }
+    // e, if any, is stale: stored under a parent that has since been evicted; it gives up its
+    // slot to the page re-stored here.
+    if (!admission_->admit(static_cast<std::size_t>(i), pages_.full() && e == nullptr)) {
+      stats_.pages_declined += n_full - i;
+      break;
+    }
+    if (e != nullptr) pages_.erase(e);
     e = pages_.insert(key, next_serial_++, parent);
     if (e == nullptr) {
       skipped = true;
@@ -571,6 +579,7 @@ CacheStats HostPrefixCache::stats() const {
                                            (state_pool_ ? state_pool_->allocated_bytes() : 0));
   s.requests = static_cast<std::int64_t>(requests_.size());
   s.salts = static_cast<std::int64_t>(roots_.size());
+  s.admitting_second_sightings_only = admission_->wants_second_sighting();
   return s;
 }
 

@@ -16,6 +16,7 @@ Allocate = Callable[[int], "Sequence[int] | ArrayLike | None"]
 StateExport = Callable[[int], "ArrayLike | None"]
 CopierKind = Literal["auto", "cpu", "cuda", "deferred", "null"]
 Eviction = Literal["leaf-first", "lru"]
+Admission = Literal["adaptive", "second-sighting", "always"]
 CudaPath = Literal["auto", "dma", "staged", "kernel"]
 
 
@@ -41,6 +42,12 @@ class HostPrefixCache:
             (moves and allocates nothing: policy simulation, as ``hicache replay`` does).
         eviction: ``"leaf-first"`` (default: never evicts a page before its cached descendants)
             or ``"lru"`` (plain LRU, as DeepInfer's hicache; strands descendants).
+        admission: which new pages may take a slot while the pool is full. ``"adaptive"``
+            (default): write-through, or only pages whose key was seen in a recent prompt,
+            whichever two small simulations beside the cache currently find better (small
+            pools under pressure get the second, large ones write-through). ``"second-sighting"``:
+            always the second. ``"always"``: write-through. A declined page ends the store
+            (its descendants cannot be cached without it); counted in ``pages_declined``.
         cuda_blocks: CTAs of the CUDA copy kernel.
         cuda_staging_bytes: device memory per stream and direction through which pages of
             layer-major pools cross PCIe whole on the DMA engines (pages of 512 KiB or more
@@ -85,6 +92,7 @@ class HostPrefixCache:
         pool_chunk_bytes: int = 1 << 30,
         pin_upfront: bool = False,
         eviction: Eviction = "leaf-first",
+        admission: Admission = "adaptive",
         key_bits: int = 128,
     ) -> None:
         if segments is None or isinstance(segments, (str, bytes)):
@@ -118,6 +126,9 @@ class HostPrefixCache:
         pin_upfront = _arrays.bool_arg("pin_upfront", pin_upfront)
         copier = _arrays.choice_arg("copier", copier, ("auto", "cpu", "cuda", "deferred", "null"))  # type: ignore[assignment]
         eviction = _arrays.choice_arg("eviction", eviction, ("leaf-first", "lru"))  # type: ignore[assignment]
+        admission = _arrays.choice_arg(  # type: ignore[assignment]
+            "admission", admission, ("adaptive", "second-sighting", "always")
+        )
         salt_bytes = _arrays.as_salt(salt)
         if salt_bytes is None:
             raise TypeError("salt must be bytes or str, not None")
@@ -153,6 +164,7 @@ class HostPrefixCache:
             cuda_path,
             pin_upfront,
             eviction,
+            admission,
         )
         self.block_tokens = block_tokens
         self.state_bytes = state_bytes

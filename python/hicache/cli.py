@@ -101,29 +101,76 @@ def _demo(args: argparse.Namespace) -> int:
 def _replay(args: argparse.Namespace) -> int:
     from . import replay
 
+    # Every option is checked before the first (possibly hour-long) pass starts.
     try:
+        if args.keep_tokens < 1:
+            raise ValueError("--keep-tokens must be >= 1 (the last token must be computed)")
+        if args.jobs is not None and args.jobs < 1:
+            raise ValueError("--jobs must be >= 1")
+        if args.plot:
+            replay.check_plot_support()
         capacities = [replay.parse_capacity(c, args.page_bytes) for c in args.capacity.split(",")]
         policies = [p.strip() for p in args.policy.split(",") if p.strip()]
         for p in policies:
-            if p not in ("leaf-first", "lru"):
-                raise ValueError(f"unknown policy {p!r}: choose from leaf-first, lru")
-        traces = [replay.load_trace(t, args.limit) for t in args.trace]
-    except (OSError, ValueError) as e:
+            if p not in replay.POLICIES:
+                raise ValueError(f"unknown policy {p!r}: choose from {', '.join(replay.POLICIES)}")
+        traces = [replay.load_trace(t, args.limit, args.block_tokens) for t in args.trace]
+    except (OSError, ValueError, RuntimeError) as e:
         print(f"hicache replay: {e}", file=sys.stderr)
         return 2
-    log = None if args.quiet else replay.log_stderr
-    by_trace = {}
-    for trace in traces:
-        results = replay.run(trace, capacities, policies, args.keep_tokens, not args.no_optimum, log)
-        by_trace[trace.name] = results
-        if not args.json:
-            print(replay.format_table(trace, results) + "\n")
-    if args.json:
-        print(json.dumps({name: [r.as_dict() for r in rs] for name, rs in by_trace.items()}))
+    by_trace: dict[str, list] = {}
+    try:
+        for trace in traces:
+            results = by_trace.setdefault(trace.name, [])
+            if not args.json:
+                print(f"{trace.name}: {len(trace)} requests, {trace.pages_total:,} pages", flush=True)
+                print(replay.TABLE_HEADER, flush=True)
+            # Each result is printed as it finishes: an interrupted sweep keeps what it had.
+            for res in replay.run(
+                trace, capacities, policies, args.keep_tokens, not args.no_optimum, args.jobs
+            ):
+                results.append(res)
+                if args.json:
+                    print(json.dumps({"trace": trace.name, **res.as_dict(args.page_bytes)}), flush=True)
+                else:
+                    print(replay.format_row(res, args.page_bytes), flush=True)
+            if not args.json:
+                print("\n" + replay.format_table(trace, results, args.page_bytes) + "\n", flush=True)
+    except KeyboardInterrupt:
+        print("hicache replay: interrupted; the results above are complete", file=sys.stderr)
+        return 130
     if args.plot:
         replay.plot(by_trace, args.plot)
         if not args.json:
             print(f"plot written to {args.plot}")
+    return 0
+
+
+def _trace(args: argparse.Namespace) -> int:
+    from .agentic_trace import AgenticParams, write_trace
+
+    try:
+        params = AgenticParams(
+            sessions=args.sessions,
+            steps=args.steps,
+            system_tokens=args.system_tokens,
+            task_tokens=args.task_tokens,
+            tool_tokens=args.tool_tokens,
+            output_tokens=args.output_tokens,
+            max_context=args.max_context,
+            branch=args.branch,
+            abandon=args.abandon,
+            concurrency=args.concurrency,
+            system_prompts=args.system_prompts,
+            block_tokens=args.block_tokens,
+            seed=args.seed,
+        )
+        params.check()
+        n, tokens = write_trace(params, args.out)
+    except (OSError, ValueError) as e:
+        print(f"hicache trace: {e}", file=sys.stderr)
+        return 2
+    print(f"{args.out}: {n} requests, {tokens:,} prompt tokens", file=sys.stderr)
     return 0
 
 
@@ -158,27 +205,54 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--json", action="store_true", help="print one JSON object")
     d.set_defaults(func=_demo)
-    r = sub.add_parser("replay", help="replay Mooncake traces through the index; policies vs the optimum")
-    r.add_argument("trace", nargs="+", help="Mooncake FAST'25 trace (JSON lines)")
+    r = sub.add_parser("replay", help="replay traces through the index: policies vs the optimum")
+    r.add_argument("trace", nargs="+", help="trace in Mooncake's format (JSON lines)")
     r.add_argument(
         "--capacity",
         default="1M,3M,10M,30M",
         help="comma-separated: tokens (3M), bytes (64GiB, see --page-bytes) or inf",
     )
-    r.add_argument("--policy", default="leaf-first,lru", help="comma-separated: leaf-first, lru")
+    r.add_argument(
+        "--policy",
+        default="adaptive,second-sighting,leaf-first,lru",
+        help="comma-separated: adaptive (the default admission), second-sighting, leaf-first "
+        "(write-through), lru (write-through, plain LRU eviction)",
+    )
     r.add_argument("--keep-tokens", type=int, default=1, help="tokens always left to compute (>= 1)")
+    r.add_argument(
+        "--block-tokens",
+        type=int,
+        default=512,
+        help="tokens per hash id in the trace (Mooncake: 512; 16, 32, 64, 128, 256 ... too)",
+    )
     r.add_argument(
         "--page-bytes",
         type=int,
         default=16 << 20,
-        help="bytes of one 128-token page, for byte capacities (default: Llama-3-8B bf16)",
+        help="bytes of one 128-token page, for byte capacities and bytes stored (default: Llama-3-8B bf16)",
     )
     r.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
+    r.add_argument("--jobs", type=int, default=None, help="passes run at once (default: every core)")
     r.add_argument("--no-optimum", action="store_true", help="skip Belady's offline optimum")
-    r.add_argument("--plot", metavar="PNG", help="write hit ratio vs capacity, per policy")
-    r.add_argument("--json", action="store_true", help="print one JSON object")
-    r.add_argument("--quiet", action="store_true", help="no progress on stderr")
+    r.add_argument("--plot", metavar="PNG", help="write hit ratio vs capacity (needs matplotlib)")
+    r.add_argument("--json", action="store_true", help="one JSON object a line, as each pass finishes")
     r.set_defaults(func=_replay)
+    t = sub.add_parser("trace", help="write a synthetic agentic trace in Mooncake's format")
+    t.add_argument("out", help="the JSON-lines file to write")
+    t.add_argument("--sessions", type=int, default=400, help="agent sessions")
+    t.add_argument("--steps", type=int, default=40, help="mean steps (requests) per session")
+    t.add_argument("--system-tokens", type=int, default=4096, help="each system prompt's length")
+    t.add_argument("--system-prompts", type=int, default=4, help="distinct system prompts (agents)")
+    t.add_argument("--task-tokens", type=int, default=2048, help="mean length of a session's task")
+    t.add_argument("--tool-tokens", type=int, default=1500, help="mean tool output per step")
+    t.add_argument("--output-tokens", type=int, default=300, help="mean model output per step")
+    t.add_argument("--max-context", type=int, default=131072, help="a session ends at this length")
+    t.add_argument("--branch", type=float, default=0.05, help="chance a step retries from an earlier one")
+    t.add_argument("--abandon", type=float, default=0.02, help="chance a session ends after a step")
+    t.add_argument("--concurrency", type=int, default=64, help="sessions interleaved at once")
+    t.add_argument("--block-tokens", type=int, default=512, help="tokens per hash id")
+    t.add_argument("--seed", type=int, default=0)
+    t.set_defaults(func=_trace)
     i = sub.add_parser("info", help="version and CUDA availability")
     i.set_defaults(func=_info)
     args = p.parse_args(argv)

@@ -74,6 +74,86 @@ class _Index:
         return sum(1 for e in self.entries.values() if e.refs > 0)
 
 
+def _fingerprint(key: bytes) -> int:
+    fp = int.from_bytes(key[:8], "little")
+    return 1 if fp == 0 else fp  # the C++ tables store fingerprint 0 as 1
+
+
+class _Ghost:
+    """GhostKeys: two generations of fingerprints; the newer is retired when it fills."""
+
+    def __init__(self, generation: int) -> None:
+        self.generation = max(1, generation)
+        self.newer: set[int] = set()
+        self.older: set[int] = set()
+
+    def __contains__(self, fp: int) -> bool:
+        return fp in self.newer or fp in self.older
+
+    def record(self, fp: int) -> None:
+        if fp in self.newer:
+            return
+        self.newer.add(fp)
+        if len(self.newer) >= self.generation:
+            self.older, self.newer = self.newer, set()
+
+
+class _MiniLru:
+    def __init__(self, capacity: int, ghost_generation: int) -> None:
+        self.capacity = max(1, capacity)
+        self.ghost = _Ghost(ghost_generation) if ghost_generation else None
+        self.lru: OrderedDict[int, None] = OrderedDict()  # least recently used first
+        self.hits = 0.0
+
+    def access(self, fp: int) -> None:
+        if fp in self.lru:
+            self.lru.move_to_end(fp)
+            self.hits += 1.0
+            return
+        if len(self.lru) >= self.capacity:
+            if self.ghost is not None and fp not in self.ghost:
+                self.ghost.record(fp)
+                return
+            self.lru.popitem(last=False)
+        self.lru[fp] = None
+
+
+class _Admission:
+    """AdmissionPolicy: "always", "second-sighting" or "adaptive", as admission_policy.cpp."""
+
+    def __init__(self, kind: str, capacity: int) -> None:
+        self.kind = kind
+        self.ghost = _Ghost(2 * capacity)
+        self.seen: list[bool] = []
+        self.sample = min(max(capacity // 256, 1), 32)
+        self.write_through = _MiniLru(capacity // self.sample, 0)
+        self.second = _MiniLru(capacity // self.sample, max(1, 2 * (capacity // self.sample)))
+        self.second_sighting = kind == "second-sighting"
+
+    def observe(self, keys: list[bytes]) -> None:
+        if self.kind == "always":
+            return
+        fps = [_fingerprint(k) for k in keys]
+        self.seen = [fp in self.ghost for fp in fps]
+        for fp in fps:
+            self.ghost.record(fp)
+        if self.kind != "adaptive":
+            return
+        for k, fp in zip(keys, fps, strict=True):
+            if (int.from_bytes(k[:8], "little") >> 32) % self.sample != 0:
+                continue
+            self.write_through.access(fp)
+            self.second.access(fp)
+        self.write_through.hits *= 0.999
+        self.second.hits *= 0.999
+        self.second_sighting = self.second.hits > self.write_through.hits
+
+    def admit(self, i: int, pool_full: bool) -> bool:
+        if self.kind == "always":
+            return True
+        return not pool_full or not self.second_sighting or (i < len(self.seen) and self.seen[i])
+
+
 @dataclass(eq=False)
 class _Transfer:
     request: str
@@ -110,6 +190,7 @@ class ReferenceCache:
         copier: str = "cpu",
         key_bits: int = 128,
         eviction: str = "leaf-first",
+        admission: str = "adaptive",
     ) -> None:
         self.segments = list(segments)
         self.block_tokens = block_tokens
@@ -121,6 +202,7 @@ class ReferenceCache:
         self.key_bits = key_bits
         self.leaf_first = eviction == "leaf-first"
         self.pages = _Index(capacity_pages, self.leaf_first)
+        self.admission = _Admission(admission, capacity_pages)
         self.states = _Index(capacity_states if state_bytes > 0 else 0)
         self.transfers: list[_Transfer] = []
         self.requests: dict[str, int] = {}
@@ -128,7 +210,7 @@ class ReferenceCache:
         self.next_serial = 1
         self.streams: dict[int, _Stream] = {}
         self.c = dict.fromkeys(
-            "lookups lookup_tokens hits hit_tokens deferred stores store_skips collisions "
+            "lookups lookup_tokens hits hit_tokens deferred stores store_skips collisions pages_declined "
             "pages_stored pages_loaded states_stored states_loaded".split(),
             0,
         )
@@ -324,6 +406,7 @@ class ReferenceCache:
         self._retire()
         self.requests.setdefault(request_id, 0)
         self.c["stores"] += 1
+        self.admission.observe(keys[:n_full])
         new: list[_Entry] = []
         moves: list[tuple[int, _Entry]] = []
         chain: list[_Entry] = []
@@ -348,6 +431,11 @@ class ReferenceCache:
                 if e.refs != 0:
                     skipped = True
                     break
+            full = len(self.pages.entries) >= self.pages.capacity and e is None
+            if not self.admission.admit(i, full):
+                self.c["pages_declined"] += n_full - i
+                break
+            if e is not None:
                 self.pages.erase(e)
             e = self.pages.insert(keys[i], self._serial(), parent)
             if e is None:

@@ -1,89 +1,148 @@
-"""Replay a Mooncake-format trace through the real C++ index and policy, and through Belady.
+"""Replay traces of prompts through hicache's index and policies, and through Belady's optimum.
 
-A trace has one JSON request a line with ``input_length`` and ``hash_ids`` (one id per 512-token
-block, chained: equal ids mean an equal prefix up to there). Each block becomes four 128-token
-pages whose tokens are derived from the block id, so the real hash chain and exact matching run.
-Requests look up their prompt (``try_resume``) and store it after "prefill" (write-through), with a
-null copier: no bytes move and no memory is allocated. The offline optimum evicts the page whose
-next use is farthest (Belady), and may decline to insert a page needed later than everything
-cached; a descendant is never needed before its ancestor, and ties evict the deeper page first, so
-the optimum never strands a page either.
+A trace has one JSON request a line with ``input_length`` and ``hash_ids``: one id per
+``block_tokens``-token block (512 in Mooncake's traces), chained, so equal ids mean an equal
+prefix up to there. Ids may be any 64-bit integers. A trailing partial block may have an id or
+not; tokens without one are unhashed: never stored, never served.
+
+hicache keeps 128-token pages. A request's pages are the full pages its hashed blocks cover: a
+512-token block is four pages (its id and a sub-page index); with blocks of 16, 32 or 64 tokens a
+page is named by the id of the last block it ends (the ids are chained, so that id is the whole
+prefix).
+
+Each request runs as a lookup (``try_resume``, hit rule: ``keep_tokens`` always left to compute)
+then a write-through store, through the real C++ ``PrefixIndex`` and ``AdmissionPolicy`` keyed by
+page ids (hashing tokens would cost more than the policy; :func:`replay_cache` runs the engine
+API itself and a test checks both agree). The offline optimum evicts the page used farthest in
+the future and declines a page needed later than everything cached (Belady); ties evict the
+deeper page first, so it never strands a page either.
 """
 
 from __future__ import annotations
 
-import heapq
 import json
-import math
+import os
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
 
+from . import _core
 from .cache import HostPrefixCache
 
-BLOCK_TOKENS = 512  # Mooncake's hash granularity
 PAGE_TOKENS = 128  # hicache's page
-PAGES_PER_BLOCK = BLOCK_TOKENS // PAGE_TOKENS
-MAX_HASH_ID = (2**31 // PAGE_TOKENS) // PAGES_PER_BLOCK - 1  # keeps every token id in int32
+BLOCK_TOKENS = 512  # Mooncake's hash granularity (the default of --block-tokens)
+U64 = 2**64
+
+# --policy names: (eviction, admission)
+POLICIES: dict[str, tuple[str, str]] = {
+    "adaptive": ("leaf-first", "adaptive"),
+    "second-sighting": ("leaf-first", "second-sighting"),
+    "leaf-first": ("leaf-first", "always"),
+    "lru": ("lru", "always"),
+}
 
 
 @dataclass
 class Trace:
     name: str
-    input_lengths: np.ndarray
-    hash_ids: list[np.ndarray]
+    input_lengths: np.ndarray  # int64, tokens per request
+    block_ids: np.ndarray  # uint64, per page of every request, in order
+    sub_pages: np.ndarray  # uint32
+    offsets: np.ndarray  # int64, len(requests) + 1: request r's pages are [offsets[r], offsets[r+1])
+    block_tokens: int = BLOCK_TOKENS
 
     def __len__(self) -> int:
         return len(self.input_lengths)
 
-    def pages(self, r: int) -> np.ndarray:
-        """Page ids (hash_id * 4 + sub-page) of request r's full 128-token pages."""
-        n = int(self.input_lengths[r]) // PAGE_TOKENS
-        j = np.arange(n)
-        return self.hash_ids[r][j // PAGES_PER_BLOCK] * PAGES_PER_BLOCK + j % PAGES_PER_BLOCK
+    @property
+    def pages_total(self) -> int:
+        return int(self.offsets[-1])
 
-    def prompt(self, r: int) -> np.ndarray:
-        """The request's tokens: page p holds p*128 .. p*128+127, so equal pages mean equal tokens."""
-        length = int(self.input_lengths[r])
-        n = -(-length // PAGE_TOKENS)
-        j = np.arange(n)
-        page_ids = self.hash_ids[r][j // PAGES_PER_BLOCK] * PAGES_PER_BLOCK + j % PAGES_PER_BLOCK
-        tokens = (page_ids[:, None] * PAGE_TOKENS + np.arange(PAGE_TOKENS)[None, :]).reshape(-1)
-        return tokens[:length].astype(np.int32)
+    def page_count(self, r: int) -> int:
+        return int(self.offsets[r + 1] - self.offsets[r])
+
+    def pages(self, r: int) -> list[tuple[int, int]]:
+        """Request r's pages as (block id, sub-page)."""
+        a, b = int(self.offsets[r]), int(self.offsets[r + 1])
+        return list(zip(self.block_ids[a:b].tolist(), self.sub_pages[a:b].tolist(), strict=True))
+
+    def hit_limit(self, keep_tokens: int) -> np.ndarray:
+        """Pages a hit may cover per request: keep_tokens left to compute, hashed pages only."""
+        cap = np.maximum(self.input_lengths - keep_tokens, 0) // PAGE_TOKENS
+        return np.minimum(cap, np.diff(self.offsets)).astype(np.int64)
 
 
-def load_trace(path: str | Path, limit: int | None = None) -> Trace:
-    """Reads a Mooncake FAST'25 trace. Raises ValueError naming the line of a malformed request."""
+def _ids(hashes: object, where: str) -> np.ndarray:
+    if not isinstance(hashes, list) or not all(type(h) is int for h in hashes):
+        raise ValueError(f"{where}: hash_ids must be a list of integers")
+    if any(h < -(2**63) or h >= U64 for h in hashes):
+        raise ValueError(f"{where}: hash ids must be 64-bit integers (signed or unsigned)")
+    return np.array([h % U64 for h in hashes], dtype=np.uint64)
+
+
+def load_trace(path: str | Path, limit: int | None = None, block_tokens: int = BLOCK_TOKENS) -> Trace:
+    """Reads a Mooncake-format trace. Raises ValueError naming the line of a malformed request."""
+    if block_tokens < 1 or not (block_tokens % PAGE_TOKENS == 0 or PAGE_TOKENS % block_tokens == 0):
+        raise ValueError(
+            f"block_tokens={block_tokens}: must divide {PAGE_TOKENS} or be a multiple of it "
+            "(16, 32, 64, 128, 256, 512, ...)"
+        )
     lengths: list[int] = []
     ids: list[np.ndarray] = []
+    subs: list[np.ndarray] = []
+    counts: list[int] = []
     with open(path) as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue
             if limit is not None and len(lengths) >= limit:
                 break
+            where = f"{path}:{lineno}"
             try:
                 req = json.loads(line)
-                length, hashes = int(req["input_length"]), req["hash_ids"]
+                length, hashes = req["input_length"], req["hash_ids"]
             except (ValueError, KeyError, TypeError) as e:
-                raise ValueError(f"{path}:{lineno}: not a trace request ({e})") from e
-            if length < 1 or not isinstance(hashes, list):
-                raise ValueError(f"{path}:{lineno}: input_length must be >= 1 and hash_ids a list")
-            need = -(-length // BLOCK_TOKENS)
-            if len(hashes) < need:
-                raise ValueError(f"{path}:{lineno}: {length} tokens need {need} hash_ids, got {len(hashes)}")
-            arr = np.asarray(hashes[:need], dtype=np.int64)
-            if arr.size and (arr.min() < 0 or arr.max() > MAX_HASH_ID):
-                raise ValueError(f"{path}:{lineno}: hash ids must be in [0, {MAX_HASH_ID}]")
+                raise ValueError(f"{where}: not a trace request ({e})") from e
+            if type(length) is not int or length < 1:
+                raise ValueError(f"{where}: input_length must be an integer >= 1")
+            arr = _ids(hashes, where)
+            full = length // block_tokens
+            if len(arr) < full:
+                raise ValueError(
+                    f"{where}: {length} tokens make {full} full {block_tokens}-token blocks; "
+                    f"need {full} hash_ids, got {len(arr)}"
+                )
+            arr = arr[: -(-length // block_tokens)]  # ids past the prompt name nothing
+            hashed = min(length, len(arr) * block_tokens)
+            n = hashed // PAGE_TOKENS
+            j = np.arange(n, dtype=np.int64)
+            if block_tokens >= PAGE_TOKENS:
+                per = block_tokens // PAGE_TOKENS
+                block, sub = arr[j // per], (j % per).astype(np.uint32)
+            else:
+                per = PAGE_TOKENS // block_tokens
+                block, sub = arr[(j + 1) * per - 1], np.zeros(n, np.uint32)
             lengths.append(length)
-            ids.append(arr)
+            ids.append(block)
+            subs.append(sub)
+            counts.append(n)
     if not lengths:
         raise ValueError(f"{path}: no requests")
-    return Trace(Path(path).name, np.asarray(lengths, dtype=np.int64), ids)
+    offsets = np.zeros(len(counts) + 1, np.int64)
+    np.cumsum(counts, out=offsets[1:])
+    return Trace(
+        Path(path).name,
+        np.asarray(lengths, dtype=np.int64),
+        np.concatenate(ids) if ids else np.zeros(0, np.uint64),
+        np.concatenate(subs) if subs else np.zeros(0, np.uint32),
+        offsets,
+        block_tokens,
+    )
 
 
 @dataclass
@@ -96,9 +155,12 @@ class Result:
     second_half_hit_tokens: int
     hits: int
     evictions: int
+    pages_stored: int
     seconds: float
+    pages_per_second: float = 0.0
     served: list[int] = field(default_factory=list, repr=False)
     unbounded: bool = False  # capacity "inf": room for every page of the trace
+    optimum_hit_tokens: int | None = None
 
     @property
     def hit_ratio(self) -> float:
@@ -106,125 +168,103 @@ class Result:
 
     @property
     def second_half_hit_ratio(self) -> float:
-        return (
-            self.second_half_hit_tokens / self.second_half_prompt_tokens
-            if self.second_half_prompt_tokens
-            else 0.0
-        )
+        s = self.second_half_prompt_tokens
+        return self.second_half_hit_tokens / s if s else 0.0
 
-    def as_dict(self) -> dict[str, object]:
+    @property
+    def of_optimum(self) -> float | None:
+        o = self.optimum_hit_tokens
+        return None if o is None else (self.hit_tokens / o if o else 1.0)
+
+    def as_dict(self, page_bytes: int | None = None) -> dict[str, object]:
         d = asdict(self)
         del d["served"]
         d["hit_ratio"] = round(self.hit_ratio, 6)
         d["second_half_hit_ratio"] = round(self.second_half_hit_ratio, 6)
+        d["of_optimum"] = None if self.of_optimum is None else round(self.of_optimum, 6)
+        if page_bytes is not None:
+            d["bytes_stored"] = self.pages_stored * page_bytes
         return d
 
 
 def _result(
-    policy: str,
-    trace: Trace,
-    capacity_pages: int,
-    served: list[int],
-    hits: int,
-    evictions: int,
-    seconds: float,
+    policy: str, trace: Trace, capacity_pages: int, served_pages: Sequence[int], raw: dict, seconds: float
 ) -> Result:
     half = len(trace) // 2
-    lengths = trace.input_lengths
+    served = [int(s) * PAGE_TOKENS for s in served_pages]
     return Result(
         policy=policy,
         capacity_tokens=capacity_pages * PAGE_TOKENS,
-        prompt_tokens=int(lengths.sum()),
-        hit_tokens=int(sum(served)),
-        second_half_prompt_tokens=int(lengths[half:].sum()),
-        second_half_hit_tokens=int(sum(served[half:])),
-        hits=hits,
-        evictions=evictions,
+        prompt_tokens=int(trace.input_lengths.sum()),
+        hit_tokens=sum(served),
+        second_half_prompt_tokens=int(trace.input_lengths[half:].sum()),
+        second_half_hit_tokens=sum(served[half:]),
+        hits=int(raw["requests_hit"]),
+        evictions=int(raw["evictions"]),
+        pages_stored=int(raw["pages_stored"]),
         seconds=round(seconds, 3),
+        pages_per_second=round(trace.pages_total / seconds) if seconds > 0 else 0.0,
         served=served,
     )
 
 
-Progress = Callable[[int, int], None]
-
-
-def replay_cache(
-    trace: Trace, capacity_pages: int, eviction: str, keep_tokens: int = 1, progress: Progress | None = None
-) -> Result:
-    """Runs every request through hicache's C++ index and policy (null copier)."""
+def replay_policy(trace: Trace, capacity_pages: int, policy: str, keep_tokens: int = 1) -> Result:
+    """One pass of a named policy (see POLICIES) through the C++ index, keyed by page ids."""
+    if policy not in POLICIES:
+        raise ValueError(f"unknown policy {policy!r}: choose from {', '.join(POLICIES)}")
+    eviction, admission = POLICIES[policy]
     t0 = time.perf_counter()
-    max_pages = max(int(n) for n in trace.input_lengths) // PAGE_TOKENS + 1
-    blocks = np.arange(max_pages, dtype=np.int64)
+    raw = _core.replay_policy(
+        trace.block_ids, trace.sub_pages, trace.offsets, trace.hit_limit(keep_tokens),
+        capacity_pages, eviction, admission,
+    )  # fmt: skip
+    return _result(policy, trace, capacity_pages, raw["served_pages"], raw, time.perf_counter() - t0)
+
+
+def replay_optimum(trace: Trace, capacity_pages: int, keep_tokens: int = 1) -> Result:
+    """Belady's offline optimum over the same pages and the same hit rule."""
+    t0 = time.perf_counter()
+    raw = _core.replay_optimum(
+        trace.block_ids, trace.sub_pages, trace.offsets, trace.hit_limit(keep_tokens), capacity_pages
+    )
+    return _result("optimum", trace, capacity_pages, raw["served_pages"], raw, time.perf_counter() - t0)
+
+
+def replay_cache(trace: Trace, capacity_pages: int, policy: str, keep_tokens: int = 1) -> Result:
+    """The same pass through the engine-facing API: HostPrefixCache with a null copier, tokens
+    made from the page ids (hashing every page: slow, ~1 us a page). The check on
+    :func:`replay_policy`: both must serve the same tokens to every request."""
+    eviction, admission = POLICIES[policy]
+    t0 = time.perf_counter()
+    pairs = np.stack([trace.block_ids, trace.sub_pages.astype(np.uint64)], axis=1)
+    _, dense = np.unique(pairs, axis=0, return_inverse=True)
+    dense = dense.reshape(-1).astype(np.int64)
+    if len(dense) and int(dense.max()) >= 2**31 // PAGE_TOKENS:
+        raise ValueError("replay_cache: too many distinct pages for int32 tokens; use replay_policy")
+    longest = int(trace.input_lengths.max()) // PAGE_TOKENS + 1
+    blocks = np.arange(longest, dtype=np.int64)
     cache = HostPrefixCache(
-        np.empty((max_pages, 1), np.uint8),
+        np.empty((longest, 1), np.uint8),
         block_tokens=PAGE_TOKENS,
         capacity_pages=capacity_pages,
         keep_tokens=keep_tokens,
         copier="null",
-        eviction=eviction,
-    )  # type: ignore[arg-type]
+        eviction=eviction,  # type: ignore[arg-type]
+        admission=admission,  # type: ignore[arg-type]
+    )
     served: list[int] = []
     for r in range(len(trace)):
-        prompt = trace.prompt(r)
+        a, b = int(trace.offsets[r]), int(trace.offsets[r + 1])
+        hashed = (dense[a:b, None] * PAGE_TOKENS + np.arange(PAGE_TOKENS)[None, :]).reshape(-1)
+        tail = np.full(int(trace.input_lengths[r]) - len(hashed), -1 - r)  # unhashed: unique
+        prompt = np.concatenate([hashed, tail]).astype(np.int32)
         got = cache.try_resume(r, prompt, lambda n: blocks[: n // PAGE_TOKENS])
-        served.append(max(got, 0))
-        cache.store(r, prompt, blocks)
+        served.append(max(got, 0) // PAGE_TOKENS)
+        cache.store(r, prompt[: len(hashed)], blocks)
         cache.forget(r)
-        if progress is not None and (r % 500 == 0 or r == len(trace) - 1):
-            progress(r + 1, len(trace))
     s = cache.stats()
-    return _result(eviction, trace, capacity_pages, served, s.hits, s.pages_evicted, time.perf_counter() - t0)
-
-
-def replay_optimum(
-    trace: Trace, capacity_pages: int, keep_tokens: int = 1, progress: Progress | None = None
-) -> Result:
-    """Belady's offline optimum over the same page accesses and the same hit rule."""
-    t0 = time.perf_counter()
-    pages = [trace.pages(r) for r in range(len(trace))]
-    never = math.inf
-    # next_use[r][j]: the next request after r that uses page j of r.
-    next_use: list[np.ndarray] = [np.empty(0)] * len(pages)
-    last: dict[int, int] = {}
-    for r in range(len(pages) - 1, -1, -1):
-        nxt = np.fromiter((last.get(int(p), never) for p in pages[r]), dtype=float, count=len(pages[r]))
-        next_use[r] = nxt
-        for p in pages[r].tolist():
-            last[p] = r
-    cached: dict[int, tuple[float, int]] = {}  # page -> (next use, depth)
-    heap: list[tuple[float, int, int]] = []  # (-next use, -depth, page): the top is evicted
-    served: list[int] = []
-    hits = evictions = 0
-    for r, req in enumerate(pages):
-        cap = max(0, int(trace.input_lengths[r]) - keep_tokens) // PAGE_TOKENS
-        h = 0
-        for p in req[:cap].tolist():
-            if p not in cached:
-                break
-            h += 1
-        served.append(h * PAGE_TOKENS)
-        hits += h > 0
-        for depth, (p, nu) in enumerate(zip(req.tolist(), next_use[r].tolist(), strict=True)):
-            if p in cached:
-                cached[p] = (nu, depth)
-                heapq.heappush(heap, (-nu, -depth, p))
-                continue
-            if len(cached) >= capacity_pages:
-                while True:  # the farthest valid entry
-                    neg_nu, neg_depth, victim = heap[0]
-                    if cached.get(victim) == (-neg_nu, -neg_depth):
-                        break
-                    heapq.heappop(heap)
-                if (-neg_nu, -neg_depth) <= (nu, depth):
-                    continue  # p is needed last of all: do not cache it
-                heapq.heappop(heap)
-                del cached[victim]
-                evictions += 1
-            cached[p] = (nu, depth)
-            heapq.heappush(heap, (-nu, -depth, p))
-        if progress is not None and (r % 500 == 0 or r == len(pages) - 1):
-            progress(r + 1, len(pages))
-    return _result("optimum", trace, capacity_pages, served, hits, evictions, time.perf_counter() - t0)
+    raw = {"requests_hit": s.hits, "evictions": s.pages_evicted, "pages_stored": s.pages_stored}
+    return _result(policy, trace, capacity_pages, served, raw, time.perf_counter() - t0)
 
 
 _UNITS = {"": 1, "K": 10**3, "M": 10**6, "G": 10**9}
@@ -269,57 +309,97 @@ def run(
     policies: Sequence[str],
     keep_tokens: int = 1,
     optimum: bool = True,
-    log: Callable[[str], None] | None = None,
-) -> list[Result]:
-    results = []
-    all_pages = sum(int(n) // PAGE_TOKENS for n in trace.input_lengths)
+    jobs: int | None = None,
+) -> Iterator[Result]:
+    """Every (capacity, policy) pass, on `jobs` threads (default: every core); yields each
+    result as it finishes, with its share of the optimum once the optimum at that capacity is
+    known (the optimum of each capacity is started first)."""
+    for p in policies:
+        if p not in POLICIES:
+            raise ValueError(f"unknown policy {p!r}: choose from {', '.join(POLICIES)}")
+    if keep_tokens < 1:
+        raise ValueError("keep_tokens must be >= 1 (the last token must be computed)")
+    tasks: list[tuple[int, bool, str]] = []
     for requested in capacities:
-        cap = min(requested, all_pages + 1)  # "inf": room for every page the trace holds
-        for policy in [*policies, *(["optimum"] if optimum else [])]:
+        cap = min(requested, trace.pages_total + 1)  # "inf": room for every page the trace holds
+        unbounded = requested > trace.pages_total
+        for policy in [*(["optimum"] if optimum else []), *policies]:
+            tasks.append((cap, unbounded, policy))
+    best: dict[int, int] = {}
+    waiting: list[Result] = []  # finished before their optimum
 
-            def progress(done: int, total: int, policy: str = policy, cap: int = cap) -> None:
-                if log is not None:
-                    log(f"\r{trace.name}: {policy} at {cap * PAGE_TOKENS:,} tokens: {done}/{total}")
-
-            if policy == "optimum":
-                res = replay_optimum(trace, cap, keep_tokens, progress)
-            else:
-                res = replay_cache(trace, cap, policy, keep_tokens, progress)
-            if log is not None:
-                log("\n")
-            res.unbounded = requested > all_pages
-            results.append(res)
-    return results
-
-
-def format_table(trace: Trace, results: Sequence[Result]) -> str:
-    best = {r.capacity_tokens: r.hit_tokens for r in results if r.policy == "optimum"}
-    lines = [
-        f"{trace.name}: {len(trace)} requests, {int(trace.input_lengths.sum()):,} prompt tokens",
-        "",
-        "| capacity (tokens) | policy | hit ratio | 2nd half | requests hit | evictions | of optimum "
-        "| seconds |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
-    ]
-    for r in results:
-        cap = "inf" if r.unbounded else f"{r.capacity_tokens:,}"
-        opt = best.get(r.capacity_tokens)
-        of_opt = f"{r.hit_tokens / opt:.3f}" if opt else "-"
-        lines.append(
-            f"| {cap} | {r.policy} | {r.hit_ratio:.4f} | {r.second_half_hit_ratio:.4f} | {r.hits} | "
-            f"{r.evictions} | {of_opt} | {r.seconds} |"
+    def one(cap: int, unbounded: bool, policy: str) -> Result:
+        res = (
+            replay_optimum(trace, cap, keep_tokens)
+            if policy == "optimum"
+            else replay_policy(trace, cap, policy, keep_tokens)
         )
-    return "\n".join(lines)
+        res.unbounded = unbounded
+        return res
+
+    workers = max(1, jobs or os.cpu_count() or 1)
+    pool = ThreadPoolExecutor(max_workers=workers)  # the C++ passes release the GIL
+    try:
+        pending: set[Future[Result]] = {pool.submit(one, *t) for t in tasks}
+        while pending:
+            done, pending = wait(pending, return_when=FIRST_COMPLETED)
+            for f in done:
+                res = f.result()
+                if res.policy == "optimum":
+                    best[res.capacity_tokens] = res.hit_tokens
+                    res.optimum_hit_tokens = res.hit_tokens
+                    yield res
+                    for w in [w for w in waiting if w.capacity_tokens == res.capacity_tokens]:
+                        waiting.remove(w)
+                        w.optimum_hit_tokens = res.hit_tokens
+                        yield w
+                elif optimum and res.capacity_tokens not in best:
+                    waiting.append(res)
+                else:
+                    res.optimum_hit_tokens = best.get(res.capacity_tokens)
+                    yield res
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
+
+
+TABLE_HEADER = (
+    "| capacity (tokens) | policy | hit ratio | 2nd half | of optimum | requests hit | evictions "
+    "| pages stored | GB stored | seconds | pages/s |\n"
+    "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"
+)
+
+
+def format_row(r: Result, page_bytes: int) -> str:
+    cap = "inf" if r.unbounded else f"{r.capacity_tokens:,}"
+    of_opt = "-" if r.of_optimum is None else f"{r.of_optimum:.3f}"
+    return (
+        f"| {cap} | {r.policy} | {r.hit_ratio:.4f} | {r.second_half_hit_ratio:.4f} | {of_opt} | {r.hits} "
+        f"| {r.evictions} | {r.pages_stored:,} | {r.pages_stored * page_bytes / 1e9:,.0f} | {r.seconds} "
+        f"| {r.pages_per_second / 1e6:.1f}M |"
+    )
+
+
+def format_table(trace: Trace, results: Sequence[Result], page_bytes: int = 16 << 20) -> str:
+    order = {p: i for i, p in enumerate(["optimum", *POLICIES])}
+    rows = sorted(results, key=lambda r: (r.unbounded, r.capacity_tokens, order.get(r.policy, 99)))
+    head = f"{trace.name}: {len(trace)} requests, {int(trace.input_lengths.sum()):,} prompt tokens"
+    return "\n".join([head, "", TABLE_HEADER, *(format_row(r, page_bytes) for r in rows)])
+
+
+def check_plot_support() -> None:
+    """--plot needs matplotlib: checked before any replay starts."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError as e:
+        raise RuntimeError("--plot needs matplotlib: pip install 'hicache[plot]' (or matplotlib)") from e
 
 
 def plot(results_by_trace: dict[str, list[Result]], path: str) -> None:
-    try:
-        import matplotlib
+    import matplotlib
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as e:
-        raise RuntimeError("--plot needs matplotlib: pip install matplotlib") from e
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
     fig, axes = plt.subplots(1, len(results_by_trace), figsize=(6 * len(results_by_trace), 4), squeeze=False)
     for ax, (name, results) in zip(axes[0], results_by_trace.items(), strict=True):
         finite = [r for r in results if not r.unbounded]
@@ -339,3 +419,6 @@ def plot(results_by_trace: dict[str, list[Result]], path: str) -> None:
 def log_stderr(text: str) -> None:
     sys.stderr.write(text)
     sys.stderr.flush()
+
+
+Log = Callable[[str], None]

@@ -29,7 +29,14 @@ def conversation_prompts(rng: np.random.Generator, vocab: int) -> list[np.ndarra
 
 
 def run_differential(
-    copier: str, state_bytes: int, key_bits: int, capacity: int, seed: int, eviction: str, steps: int
+    copier: str,
+    state_bytes: int,
+    key_bits: int,
+    capacity: int,
+    seed: int,
+    eviction: str,
+    steps: int,
+    admission: str = "always",
 ) -> hicache.CacheStats:
     """Runs `steps` random operations on the C++ cache and on the reference, comparing after each."""
     rng = np.random.default_rng(seed)
@@ -47,6 +54,7 @@ def run_differential(
         copier=copier,
         key_bits=key_bits,
         eviction=eviction,
+        admission=admission,
     )
     c = hicache.HostPrefixCache(eng_c.segments, **common)  # type: ignore[arg-type]
     r = ReferenceCache(eng_r.segments, **common)  # type: ignore[arg-type]
@@ -124,6 +132,7 @@ def run_differential(
             assert c.complete_transfers(s) == r.complete_transfers(s)
         ops += 1
         sc, sr = c.stats(), r.stats()
+        sr["admitting_second_sightings_only"] = r.admission.second_sighting
         for k, v in sr.items():
             assert getattr(sc, k) == v, f"step {step} ({op}): {k} C++ {getattr(sc, k)} reference {v}"
         assert c.page_lru_order() == r.page_lru_order(), f"step {step}: LRU order"

@@ -11,6 +11,8 @@ import pytest
 
 from hicache import replay
 
+TRACES = Path(__file__).resolve().parents[2] / "data" / "traces"
+
 # Blocks of 512 tokens = 4 pages of 128; the pool holds 8 pages (1024 tokens); keep_tokens = 1.
 #   r0 [1, 2]  1024 tokens: miss; stores 8 pages (1.0-1.3, 2.0-2.3): the pool is full.
 #   r1 [3]      512 tokens: miss; stores 3.0-3.3, evicting 4 pages:
@@ -48,35 +50,95 @@ def trace_file(tmp_path: Path) -> Path:
 def test_hand_computed_hit_ratios(trace_file: Path, policy: str) -> None:
     trace = replay.load_trace(trace_file)
     if policy == "optimum":
-        res = replay.replay_optimum(trace, capacity_pages=8)
-    else:
-        res = replay.replay_cache(trace, capacity_pages=8, eviction=policy)
+        results = [replay.replay_optimum(trace, capacity_pages=8)]
+    else:  # the replay driver and the engine-facing API
+        results = [replay.replay_policy(trace, 8, policy), replay.replay_cache(trace, 8, policy)]
     hit, second, hits, evictions = EXPECT[policy]
-    assert (res.prompt_tokens, res.second_half_prompt_tokens) == (TOTAL, SECOND_HALF)
-    assert (res.hit_tokens, res.second_half_hit_tokens, res.hits, res.evictions) == (
-        hit,
-        second,
-        hits,
-        evictions,
-    )
-    assert res.hit_ratio == pytest.approx(hit / TOTAL)
+    for res in results:
+        assert (res.prompt_tokens, res.second_half_prompt_tokens) == (TOTAL, SECOND_HALF)
+        assert (res.hit_tokens, res.second_half_hit_tokens, res.hits, res.evictions) == (
+            hit,
+            second,
+            hits,
+            evictions,
+        )
+        assert res.hit_ratio == pytest.approx(hit / TOTAL)
+
+
+def test_second_sighting_declines_a_page_seen_once_while_the_pool_is_full(trace_file: Path) -> None:
+    # r0 fills the pool (free slots: admitted); r1's pages 3.x are first sightings: declined, so
+    # 1.x and 2.x stay and r2 hits all 8 pages; r3 sees 3.x a second time and stores them.
+    trace = replay.load_trace(trace_file)
+    res = replay.replay_policy(trace, 8, "second-sighting")
+    assert res.served == [0, 0, 1024, 0]
+    assert res.pages_stored == 8 + 4 and res.evictions == 4
+    assert replay.replay_cache(trace, 8, "second-sighting").served == res.served
+    # Negative control: write-through keeps 3.x and loses r2's hit.
+    assert replay.replay_policy(trace, 8, "leaf-first").served == [0, 0, 512, 0]
 
 
 def test_unbounded_capacity_serves_every_repeated_page(trace_file: Path) -> None:
     trace = replay.load_trace(trace_file)
-    for res in [
-        replay.replay_cache(trace, 1000, "leaf-first"),
-        replay.replay_cache(trace, 1000, "lru"),
-        replay.replay_optimum(trace, 1000),
-    ]:
+    results = [replay.replay_policy(trace, 1000, p) for p in replay.POLICIES]
+    for res in [*results, replay.replay_optimum(trace, 1000)]:
         assert res.served == [0, 0, 1024, 512], res.policy
 
 
-def test_pages_and_prompt_tokens_follow_the_block_ids(trace_file: Path) -> None:
+@pytest.mark.parametrize("policy", list(replay.POLICIES))
+def test_the_replay_driver_serves_what_the_engine_api_serves(policy: str) -> None:
+    # 2000 requests of the conversation trace in a pool of 1500 pages: evictions,
+    # declines and hits; the driver (keyed by page ids) and HostPrefixCache (hashing tokens) must
+    # serve the same tokens to every request and store the same pages.
+    trace = replay.load_trace(TRACES / "mooncake_conversation_trace.jsonl", limit=2000)
+    fast, api = replay.replay_policy(trace, 1500, policy), replay.replay_cache(trace, 1500, policy)
+    assert fast.served == api.served
+    assert (fast.pages_stored, fast.evictions, fast.hits) == (api.pages_stored, api.evictions, api.hits)
+    assert fast.evictions > 100 and fast.hit_tokens > 0
+
+
+def test_pages_follow_the_block_ids(trace_file: Path) -> None:
     trace = replay.load_trace(trace_file)
-    assert trace.pages(2).tolist() == [4, 5, 6, 7, 8, 9, 10, 11]
-    p = trace.prompt(2)
-    assert len(p) == 1025 and p[0] == 4 * 128 and p[1024] == 9 * 4 * 128
+    assert trace.pages(2) == [(1, 0), (1, 1), (1, 2), (1, 3), (2, 0), (2, 1), (2, 2), (2, 3)]
+    assert trace.hit_limit(1).tolist() == [7, 3, 8, 4]  # 1025 tokens: 8 pages; 513: 4
+
+
+def _write(path: Path, reqs: list[tuple[int, list[int]]]) -> Path:
+    path.write_text("".join(json.dumps({"input_length": n, "hash_ids": h}) + "\n" for n, h in reqs))
+    return path
+
+
+def test_finer_block_ids_give_the_same_result(tmp_path: Path) -> None:
+    # The conversation trace re-expressed with an id per 128 and per 64 tokens (chained: a new id
+    # for each sub-block of each 512-token block) replays exactly as the 512-token original.
+    src = TRACES / "mooncake_conversation_trace.jsonl"
+    rows = [json.loads(line) for line in src.read_text().splitlines()[:800]]
+    base = replay.load_trace(src, limit=800)
+    for bt in (128, 64):
+        per = 512 // bt
+        finer = [(r["input_length"], [h * per + j for h in r["hash_ids"] for j in range(per)]) for r in rows]
+        # ids only for blocks the prompt reaches (a partial last block keeps its id)
+        finer = [(n, ids[: -(-n // bt)]) for n, ids in finer]
+        t = replay.load_trace(_write(tmp_path / f"b{bt}.jsonl", finer), block_tokens=bt)
+        for p in ("adaptive", "leaf-first"):
+            assert replay.replay_policy(t, 500, p).served == replay.replay_policy(base, 500, p).served
+        assert replay.replay_optimum(t, 500).served == replay.replay_optimum(base, 500).served
+
+
+def test_any_64_bit_ids_and_unhashed_tails(tmp_path: Path) -> None:
+    big = [2**64 - 1, -(2**63), 2**63, 12345678901234567]
+    t = replay.load_trace(
+        _write(tmp_path / "big.jsonl", [(1024, big[:2]), (700, big[:1]), (1100, [*big[:2], big[2]])])
+    )
+    # 700 tokens with one id: the last 188 tokens are unhashed (not pages); 1100 with 3 ids: 8 pages
+    assert [t.page_count(r) for r in range(3)] == [8, 4, 8]
+    assert replay.replay_policy(t, 100, "leaf-first").served == [0, 512, 1024]
+    assert replay.replay_cache(t, 100, "leaf-first").served == [0, 512, 1024]
+    with pytest.raises(ValueError, match="64-bit"):
+        replay.load_trace(_write(tmp_path / "huge.jsonl", [(600, [2**64, 1])]))
+    with pytest.raises(ValueError, match="integers"):
+        replay.load_trace(_write(tmp_path / "float.jsonl", [(600, [1.5, 2])]))  # type: ignore[list-item]
+    with pytest.raises(ValueError, match="block_tokens"):
+        replay.load_trace(tmp_path / "big.jsonl", block_tokens=100)
 
 
 def test_capacity_parsing() -> None:
@@ -95,44 +157,50 @@ def test_malformed_traces_name_the_line(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"bad\.jsonl:2"):
         replay.load_trace(p)
     p.write_text('{"input_length": 2000, "hash_ids": [1]}\n')
-    with pytest.raises(ValueError, match="need 4 hash_ids"):
+    with pytest.raises(ValueError, match="need 3 hash_ids"):
         replay.load_trace(p)
 
 
-def test_cli_prints_json_and_writes_a_plot(trace_file: Path, tmp_path: Path) -> None:
+def _cli(*args: str, pre: str = "") -> subprocess.CompletedProcess[str]:
+    code = f"{pre}import sys; from hicache.cli import main; sys.exit(main(sys.argv[1:]))"
+    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=300)
+
+
+def test_cli_prints_json_lines_as_passes_finish_and_writes_a_plot(trace_file: Path, tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
     png = tmp_path / "hit.png"
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "hicache.cli",
-            "replay",
-            str(trace_file),
-            "--capacity",
-            "1024,inf",
-            "--json",
-            "--quiet",
-            "--plot",
-            str(png),
-        ],
-        check=True,
-        capture_output=True,
-        text=True,
-    )
-    rows = json.loads(out.stdout)["tiny.jsonl"]
-    assert [(r["policy"], r["hit_tokens"]) for r in rows[:3]] == [
-        ("leaf-first", 512),
-        ("lru", 0),
-        ("optimum", 1024),
-    ]
+    out = _cli("replay", str(trace_file), "--capacity", "1024,inf", "--json", "--plot", str(png))
+    assert out.returncode == 0, out.stderr
+    rows = [json.loads(line) for line in out.stdout.splitlines()]
+    assert len(rows) == 2 * (1 + len(replay.POLICIES))
+    at_1024 = {r["policy"]: r for r in rows if r["capacity_tokens"] == 1024}
+    assert {p: r["hit_tokens"] for p, r in at_1024.items()} == {
+        "optimum": 1024,
+        "adaptive": 512,
+        "second-sighting": 1024,
+        "leaf-first": 512,
+        "lru": 0,
+    }
+    assert at_1024["leaf-first"]["of_optimum"] == 0.5
+    assert at_1024["second-sighting"]["bytes_stored"] == 12 * (16 << 20)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_cli_rejects_bad_arguments(trace_file: Path) -> None:
-    for args in [["--capacity", "lots"], ["--policy", "fifo"]]:
-        out = subprocess.run(
-            [sys.executable, "-m", "hicache.cli", "replay", str(trace_file), *args],
-            capture_output=True,
-            text=True,
-        )
-        assert out.returncode == 2 and "hicache replay:" in out.stderr
+def test_cli_checks_every_option_before_the_first_pass(trace_file: Path) -> None:
+    for args in [
+        ["--capacity", "lots"],
+        ["--policy", "fifo"],
+        ["--keep-tokens", "0"],
+        ["--keep-tokens", "0", "--no-optimum"],
+        ["--block-tokens", "100"],
+        ["--jobs", "0"],
+    ]:
+        out = _cli("replay", str(trace_file), *args)
+        assert out.returncode == 2 and "hicache replay:" in out.stderr, args
+        assert "|" not in out.stdout, args  # no pass ran
+    # --plot without matplotlib fails before any replay, not after the whole run
+    no_mpl = "import sys; sys.modules['matplotlib'] = None; "
+    out = _cli("replay", str(trace_file), "--plot", "x.png", pre=no_mpl)
+    assert out.returncode == 2 and "matplotlib" in out.stderr and out.stdout == ""
+    with pytest.raises(ValueError, match="keep_tokens"):
+        list(replay.run(replay.load_trace(trace_file), [8], ["leaf-first"], keep_tokens=0, optimum=True))

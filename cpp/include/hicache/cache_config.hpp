@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <string>
 
+#include "hicache/admission_policy.hpp"
 #include "hicache/prefix_index.hpp"
 
 namespace hicache {
@@ -29,6 +30,9 @@ struct CacheConfig {
   std::int64_t error_limit = 8;
   /// Which idle page gives up its slot when the pool is full (states always use kLru).
   EvictionPolicy eviction = EvictionPolicy::kLeafFirst;
+  /// Which new pages may take a slot (see admission_policy.hpp). kAdaptive: write-through for
+  /// pools that hold the workload's reuse, second sightings only for small pools under pressure.
+  Admission admission = Admission::kAdaptive;
   /// Tests only: keep this many bits of each chain key (128 = the real hash). Fewer bits make
   /// collisions common, to show that exact matching never serves another prefix's page.
   int key_bits = 128;

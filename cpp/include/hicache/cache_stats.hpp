@@ -20,6 +20,11 @@ struct CacheStats {
   /// background had not caught up); not counted in store_skips
   std::int64_t store_skips_unpinned = 0;
   std::int64_t collisions = 0;  ///< chain keys found holding other tokens
+  /// pages not stored because the admission policy declined them (with their descendants in
+  /// the same store); not counted in store_skips
+  std::int64_t pages_declined = 0;
+  /// whether the admission policy declines first sightings now (CacheConfig::admission)
+  bool admitting_second_sightings_only = false;
   // transfers
   std::int64_t pages_stored = 0;
   std::int64_t pages_loaded = 0;

@@ -1,6 +1,7 @@
 #pragma once
 // Everything an engine needs: #include <hicache/hicache.hpp>.
 
+#include "hicache/admission_policy.hpp"
 #include "hicache/cache_config.hpp"
 #include "hicache/cache_stats.hpp"
 #include "hicache/copier.hpp"
@@ -14,3 +15,4 @@
 #include "hicache/key.hpp"
 #include "hicache/page_layout.hpp"
 #include "hicache/prefix_index.hpp"
+#include "hicache/trace_replay.hpp"

@@ -17,6 +17,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "hicache/admission_policy.hpp"
 #include "hicache/cache_config.hpp"
 #include "hicache/cache_stats.hpp"
 #include "hicache/copier.hpp"
@@ -64,11 +65,13 @@ class HostPrefixCache {
                           std::optional<std::string_view> salt = std::nullopt);
 
   /// Write-through after prefill: enqueues on `stream` the copy of every full block of `tokens`
-  /// not yet cached (block_ids[i] holds tokens [i*B, (i+1)*B)), then asks `state_export` for
-  /// the state at each of the last state_lookback block boundaries not yet cached and enqueues
-  /// its copy before asking for the next (so the engine may return the same staging buffer each
-  /// time). Best effort: stops when no slot can be freed, or at a slot whose host memory is not
-  /// pinned yet (each counted). Entries become hit-able once poll() sees the copy complete.
+  /// not yet cached that the admission policy admits (the first page it declines ends the store:
+  /// counted in pages_declined) (block_ids[i] holds tokens [i*B, (i+1)*B)), then asks
+  /// `state_export` for the state at each of the last state_lookback block boundaries not yet
+  /// cached and enqueues its copy before asking for the next (so the engine may return the same
+  /// staging buffer each time). Best effort: stops when no slot can be freed, or at a slot whose
+  /// host memory is not pinned yet (each counted). Entries become hit-able once poll() sees the
+  /// copy complete.
   /// @return pages newly enqueued.
   /// @throws std::invalid_argument if block_ids is shorter than the full blocks of tokens (or
   ///         std::out_of_range for a bad block id): nothing is enqueued then. If a state buffer
@@ -141,6 +144,7 @@ class HostPrefixCache {
   mutable std::mutex mu_;
   PrefixIndex pages_;
   PrefixIndex states_;
+  std::unique_ptr<AdmissionPolicy> admission_;  // pages only: states follow their pages
   std::list<Transfer> transfers_;
   std::unordered_map<std::string, std::int64_t> requests_;  // id -> transfers in flight
   struct StringHash {

@@ -13,7 +13,15 @@ namespace hicache {
 struct Key {
   std::array<std::uint8_t, 16> bytes{};
 
-  friend bool operator==(const Key& a, const Key& b) { return a.bytes == b.bytes; }
+  friend bool operator==(const Key& a, const Key& b) {
+    // Two 8-byte compares, not a memcmp call: the index compares keys on every lookup.
+    std::uint64_t a0, a1, b0, b1;
+    std::memcpy(&a0, a.bytes.data(), 8);
+    std::memcpy(&a1, a.bytes.data() + 8, 8);
+    std::memcpy(&b0, b.bytes.data(), 8);
+    std::memcpy(&b1, b.bytes.data() + 8, 8);
+    return a0 == b0 && a1 == b1;
+  }
   friend bool operator!=(const Key& a, const Key& b) { return !(a == b); }
 
   /// Lower-case hex, 32 characters (for logs and tests).

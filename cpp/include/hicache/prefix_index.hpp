@@ -65,6 +65,8 @@ class PrefixIndex {
 
   std::int64_t size() const { return static_cast<std::int64_t>(map_.size()); }
   std::int64_t capacity() const { return capacity_; }
+  /// Whether an insert would have to evict.
+  bool full() const { return size() >= capacity_; }
   std::int64_t evictions() const { return evictions_; }
   /// Whether some entry names `serial` as its parent (a salt root: whether any page 0 uses it).
   bool has_children(std::uint64_t serial) const { return children_.count(serial) != 0; }

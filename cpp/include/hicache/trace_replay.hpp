@@ -1,0 +1,51 @@
+#pragma once
+// Replays a trace of prompts, given as page ids, through the cache's policy at memory speed.
+//
+// `hicache replay` runs traces of billions of tokens: hashing every page (BLAKE2b, ~0.7 us) and
+// going through the engine-facing API would cost more than the policy itself. A trace's block
+// ids already identify prefixes (equal ids mean an equal prefix up to there), so pages are keyed
+// by their ids and run through the real PrefixIndex and AdmissionPolicy with the rules of
+// HostPrefixCache::try_resume and store (a test checks both give the same result on a trace).
+// The offline optimum (Belady) runs over the same pages and the same hit rule.
+
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "hicache/admission_policy.hpp"
+#include "hicache/key.hpp"
+#include "hicache/prefix_index.hpp"
+
+namespace hicache {
+
+/// Pages of request r are pages[offsets[r] .. offsets[r+1]); a page is (block id, sub-page):
+/// two pages are the same prefix iff both are equal.
+struct ReplayTrace {
+  std::span<const std::uint64_t> block_ids;
+  std::span<const std::uint32_t> sub_pages;
+  std::span<const std::int64_t> offsets;  ///< requests + 1 entries
+  /// Pages of request r a hit may cover (the hit rule: keep_tokens left to compute).
+  std::span<const std::int64_t> hit_limit;
+};
+
+struct ReplayResult {
+  std::vector<std::int64_t> served_pages;  ///< per request
+  std::int64_t requests_hit = 0;
+  std::int64_t pages_stored = 0;  ///< pages written to host memory
+  std::int64_t pages_declined = 0;
+  std::int64_t evictions = 0;
+};
+
+/// The key a replayed page gets: injective in (block id, sub-page), uniform in its first bytes.
+Key replay_key(std::uint64_t block_id, std::uint32_t sub_page);
+
+/// Runs every request as try_resume then store (write-through after prefill) with a null copier.
+/// @throws std::invalid_argument for inconsistent spans or capacity < 1.
+ReplayResult replay_policy(const ReplayTrace& trace, std::int64_t capacity_pages,
+                           EvictionPolicy eviction, Admission admission);
+
+/// Belady: evicts the page used farthest in the future and declines a page used later than every
+/// cached one; ties go to the deeper page, so no page is evicted before its descendants.
+ReplayResult replay_optimum(const ReplayTrace& trace, std::int64_t capacity_pages);
+
+}  // namespace hicache

@@ -1,0 +1,240 @@
+#include "hicache/trace_replay.hpp"
+
+#include <algorithm>
+#include <climits>
+#include <cstring>
+#include <stdexcept>
+#include <string>
+#include <unordered_map>
+
+namespace hicache {
+namespace {
+
+std::uint64_t mix64(std::uint64_t x) {  // splitmix64's finalizer: a bijection
+  x ^= x >> 30;
+  x *= 0xbf58476d1ce4e5b9ULL;
+  x ^= x >> 27;
+  x *= 0x94d049bb133111ebULL;
+  x ^= x >> 31;
+  return x;
+}
+
+void check(const ReplayTrace& t, std::int64_t capacity_pages) {
+  if (capacity_pages < 1) throw std::invalid_argument("replay: capacity_pages must be >= 1");
+  if (t.block_ids.size() != t.sub_pages.size()) {
+    throw std::invalid_argument("replay: block_ids and sub_pages differ in length");
+  }
+  if (t.offsets.empty() || t.offsets.front() != 0 ||
+      t.offsets.back() != static_cast<std::int64_t>(t.block_ids.size()) ||
+      t.hit_limit.size() + 1 != t.offsets.size()) {
+    throw std::invalid_argument(
+        "replay: offsets must run from 0 to the number of pages, one more than hit_limit");
+  }
+  for (std::size_t r = 0; r + 1 < t.offsets.size(); ++r) {
+    if (t.offsets[r + 1] < t.offsets[r]) {
+      throw std::invalid_argument("replay: offsets must not decrease (request " +
+                                  std::to_string(r) + ")");
+    }
+  }
+}
+
+}  // namespace
+
+Key replay_key(std::uint64_t block_id, std::uint32_t sub_page) {
+  // Bytes 8-15 hold the block id itself and bytes 0-7 a mix of it plus the sub-page, so the key
+  // is injective and its first bytes (the index's hash, the ghost's fingerprint) are uniform.
+  const std::uint64_t lo = mix64(block_id) + 0x9e3779b97f4a7c15ULL * (sub_page + 1ULL);
+  Key k;
+  std::memcpy(k.bytes.data(), &lo, sizeof lo);
+  std::memcpy(k.bytes.data() + 8, &block_id, sizeof block_id);
+  return k;
+}
+
+ReplayResult replay_policy(const ReplayTrace& t, std::int64_t capacity_pages,
+                           EvictionPolicy eviction, Admission admission) {
+  check(t, capacity_pages);
+  const std::size_t requests = t.hit_limit.size();
+  PrefixIndex index(capacity_pages, eviction);
+  auto policy = make_admission_policy(admission, capacity_pages);
+  ReplayResult res;
+  res.served_pages.assign(requests, 0);
+  constexpr std::uint64_t kRoot = 1;  // the one salt's chain root
+  std::uint64_t next_serial = 2;
+  std::vector<Key> keys;
+  std::vector<Entry*> chain, held, fresh;
+  auto touch_chain = [&](const std::vector<Entry*>& c) {  // as HostPrefixCache::touch_chain
+    if (eviction == EvictionPolicy::kLeafFirst) {
+      for (auto it = c.rbegin(); it != c.rend(); ++it) index.touch(*it);
+    } else {
+      for (Entry* e : c) index.touch(e);
+    }
+  };
+  for (std::size_t r = 0; r < requests; ++r) {
+    const auto begin = static_cast<std::size_t>(t.offsets[r]);
+    const auto n = static_cast<std::size_t>(t.offsets[r + 1]) - begin;
+    keys.resize(n);
+    for (std::size_t i = 0; i < n; ++i)
+      keys[i] = replay_key(t.block_ids[begin + i], t.sub_pages[begin + i]);
+
+    // try_resume: the longest ready chain, within the hit rule; a hit touches it.
+    const auto limit = static_cast<std::size_t>(
+        std::clamp<std::int64_t>(t.hit_limit[r], 0, static_cast<std::int64_t>(n)));
+    chain.clear();
+    std::uint64_t parent = kRoot;
+    for (std::size_t i = 0; i < limit; ++i) {
+      Entry* e = index.find(keys[i]);
+      if (e == nullptr || !e->ready || e->parent_serial != parent) break;
+      chain.push_back(e);
+      parent = e->serial;
+    }
+    if (!chain.empty()) {
+      res.served_pages[r] = static_cast<std::int64_t>(chain.size());
+      ++res.requests_hit;
+      touch_chain(chain);
+    }
+
+    // store: write-through of every page the admission policy admits. The pages just hit are
+    // found again by store's walk; nothing ran in between, so their entries are reused.
+    policy->observe(keys);
+    const std::size_t hit = chain.size();
+    held.clear();
+    fresh.clear();
+    parent = hit > 0 ? chain.back()->serial : kRoot;
+    for (std::size_t i = 0; i < hit; ++i) {
+      index.pin(chain[i]);
+      held.push_back(chain[i]);
+    }
+    for (std::size_t i = hit; i < n; ++i) {
+      Entry* e = index.find(keys[i]);
+      if (e != nullptr) {
+        if (e->parent_serial == parent) {
+          index.pin(e);
+          held.push_back(e);
+          chain.push_back(e);
+          parent = e->serial;
+          continue;
+        }
+        if (e->refs != 0) break;
+      }
+      if (!policy->admit(i, index.full() && e == nullptr)) {
+        res.pages_declined += static_cast<std::int64_t>(n - i);
+        break;
+      }
+      if (e != nullptr) index.erase(e);
+      e = index.insert(keys[i], next_serial++, parent);
+      if (e == nullptr) break;
+      fresh.push_back(e);
+      chain.push_back(e);
+      parent = e->serial;
+    }
+    for (Entry* e : held) index.unpin(e);
+    touch_chain(chain);
+    res.pages_stored += static_cast<std::int64_t>(fresh.size());
+    for (Entry* e : fresh) {  // the null copier's copy completed: retired by the next call
+      e->ready = true;
+      index.unpin(e);
+    }
+  }
+  res.evictions = index.evictions();
+  return res;
+}
+
+ReplayResult replay_optimum(const ReplayTrace& t, std::int64_t capacity_pages) {
+  check(t, capacity_pages);
+  const std::size_t requests = t.hit_limit.size();
+  const std::size_t refs = t.block_ids.size();
+  // Dense ids for pages, then each reference's next use (the request that uses the page next).
+  std::vector<std::int32_t> page(refs);
+  {
+    std::unordered_map<Key, std::int32_t, KeyHash> ids;
+    for (std::size_t i = 0; i < refs; ++i) {
+      auto [it, fresh] = ids.try_emplace(replay_key(t.block_ids[i], t.sub_pages[i]),
+                                         static_cast<std::int32_t>(ids.size()));
+      if (fresh && ids.size() > static_cast<std::size_t>(INT32_MAX)) {
+        throw std::invalid_argument("replay: more than 2^31 distinct pages");
+      }
+      page[i] = it->second;
+    }
+  }
+  std::int32_t pages = 0;
+  for (std::int32_t p : page) pages = std::max(pages, p + 1);
+  constexpr std::int32_t kNever = INT32_MAX;
+  std::vector<std::int32_t> next_use(refs);
+  {
+    std::vector<std::int32_t> last(static_cast<std::size_t>(pages), kNever);
+    for (std::size_t r = requests; r-- > 0;) {
+      const auto b = static_cast<std::size_t>(t.offsets[r]);
+      const auto e = static_cast<std::size_t>(t.offsets[r + 1]);
+      for (std::size_t i = b; i < e; ++i) next_use[i] = last[static_cast<std::size_t>(page[i])];
+      for (std::size_t i = b; i < e; ++i)
+        last[static_cast<std::size_t>(page[i])] = static_cast<std::int32_t>(r);
+    }
+  }
+  // Cached pages with their (next use, depth); a max-heap of them with lazy deletion.
+  struct Slot {
+    std::int32_t next_use = 0;
+    std::int32_t depth = -1;  // -1: not cached
+  };
+  struct Item {
+    std::int32_t next_use, depth, page;
+    bool operator<(const Item& o) const {  // the top is evicted first
+      if (next_use != o.next_use) return next_use < o.next_use;
+      if (depth != o.depth) return depth < o.depth;
+      return page > o.page;
+    }
+  };
+  std::vector<Slot> slot(static_cast<std::size_t>(pages));
+  std::vector<Item> heap;
+  std::int64_t cached = 0;
+  ReplayResult res;
+  res.served_pages.assign(requests, 0);
+  auto valid = [&](const Item& it) {
+    const Slot& s = slot[static_cast<std::size_t>(it.page)];
+    return s.depth == it.depth && s.next_use == it.next_use;
+  };
+  auto push = [&](Item it) {
+    heap.push_back(it);
+    std::push_heap(heap.begin(), heap.end());
+    if (heap.size() > 4 * static_cast<std::size_t>(cached) + 4096) {  // drop stale items
+      std::erase_if(heap, [&](const Item& x) { return !valid(x); });
+      std::make_heap(heap.begin(), heap.end());
+    }
+  };
+  for (std::size_t r = 0; r < requests; ++r) {
+    const auto b = static_cast<std::size_t>(t.offsets[r]);
+    const auto n = static_cast<std::size_t>(t.offsets[r + 1]) - b;
+    const auto limit = static_cast<std::size_t>(
+        std::clamp<std::int64_t>(t.hit_limit[r], 0, static_cast<std::int64_t>(n)));
+    std::size_t h = 0;
+    while (h < limit && slot[static_cast<std::size_t>(page[b + h])].depth >= 0) ++h;
+    res.served_pages[r] = static_cast<std::int64_t>(h);
+    res.requests_hit += h > 0 ? 1 : 0;
+    for (std::size_t i = 0; i < n; ++i) {
+      const std::int32_t p = page[b + i];
+      const Item mine{next_use[b + i], static_cast<std::int32_t>(i), p};
+      Slot& s = slot[static_cast<std::size_t>(p)];
+      if (s.depth < 0 && cached >= capacity_pages) {
+        while (!valid(heap.front())) {
+          std::pop_heap(heap.begin(), heap.end());
+          heap.pop_back();
+        }
+        const Item top = heap.front();
+        if (!(mine < top)) continue;  // p is needed last of all: do not cache it
+        std::pop_heap(heap.begin(), heap.end());
+        heap.pop_back();
+        slot[static_cast<std::size_t>(top.page)].depth = -1;
+        --cached;
+        ++res.evictions;
+      }
+      if (s.depth < 0) {
+        ++cached;
+        ++res.pages_stored;
+      }
+      s = {mine.next_use, mine.depth};
+      push(mine);
+    }
+  }
+  return res;
+}
+
+}  // namespace hicache
