@@ -12,9 +12,14 @@ PrefixIndex::PrefixIndex(std::int64_t capacity, EvictionPolicy policy)
   // map grows with what is stored (rehashing keeps entries where they are).
 }
 
-Entry* PrefixIndex::find(const Key& key) {
-  auto it = map_.find(key);
-  return it == map_.end() ? nullptr : &it->second;
+Entry* PrefixIndex::find(const Key& key) { return table_.find(key); }
+
+void PrefixIndex::drop(Entry* e) {
+  forget_child(e);
+  unlink(e);
+  table_.erase(e);
+  e->tokens.clear();
+  free_entries_.push_back(e);
 }
 
 std::int64_t PrefixIndex::take_slot() {
@@ -28,9 +33,7 @@ std::int64_t PrefixIndex::take_slot() {
   for (Entry* e = lru_head_; e != nullptr; e = e->lru_next) {
     if (e->refs == 0 && !(leaves_only && children_.count(e->serial) != 0)) {
       const std::int64_t s = e->slot;
-      forget_child(e);
-      unlink(e);
-      map_.erase(e->key);
+      drop(e);
       ++evictions_;
       return s;
     }
@@ -39,10 +42,17 @@ std::int64_t PrefixIndex::take_slot() {
 }
 
 Entry* PrefixIndex::insert(const Key& key, std::uint64_t serial, std::uint64_t parent_serial) {
-  if (map_.count(key) != 0) throw std::logic_error("PrefixIndex::insert: key already present");
+  if (table_.find(key) != nullptr) {
+    throw std::logic_error("PrefixIndex::insert: key already present");
+  }
   const std::int64_t slot = take_slot();
   if (slot < 0) return nullptr;
-  Entry& e = map_[key];
+  Entry* reused = nullptr;
+  if (!free_entries_.empty()) {
+    reused = free_entries_.back();
+    free_entries_.pop_back();
+  }
+  Entry& e = reused != nullptr ? *reused : entries_.emplace_back();
   e.key = key;
   e.serial = serial;
   e.parent_serial = parent_serial;
@@ -51,6 +61,7 @@ Entry* PrefixIndex::insert(const Key& key, std::uint64_t serial, std::uint64_t p
   ++busy_;
   e.ready = false;
   ++children_[parent_serial];
+  table_.insert(&e);
   link_mru(&e);
   return &e;
 }
@@ -63,9 +74,7 @@ void PrefixIndex::forget_child(const Entry* e) {
 void PrefixIndex::erase(Entry* e) {
   if (e->refs != 0) throw std::logic_error("PrefixIndex::erase: entry is held by a transfer");
   free_slots_.push_back(e->slot);
-  forget_child(e);
-  unlink(e);
-  map_.erase(e->key);
+  drop(e);
 }
 
 void PrefixIndex::unpin(Entry* e) {
@@ -81,7 +90,7 @@ void PrefixIndex::touch(Entry* e) {
 
 std::vector<const Entry*> PrefixIndex::lru_order() const {
   std::vector<const Entry*> out;
-  out.reserve(map_.size());
+  out.reserve(table_.size());
   for (const Entry* e = lru_head_; e != nullptr; e = e->lru_next) out.push_back(e);
   return out;
 }

@@ -5,7 +5,6 @@
 #include <cstring>
 #include <stdexcept>
 #include <string>
-#include <unordered_map>
 
 namespace hicache {
 namespace {
@@ -145,19 +144,31 @@ ReplayResult replay_optimum(const ReplayTrace& t, std::int64_t capacity_pages) {
   const std::size_t refs = t.block_ids.size();
   // Dense ids for pages, then each reference's next use (the request that uses the page next).
   std::vector<std::int32_t> page(refs);
+  std::int32_t pages = 0;
   {
-    std::unordered_map<Key, std::int32_t, KeyHash> ids;
+    // A flat open-addressed map (block id, sub-page) -> dense id, at most half full.
+    struct Slot {
+      std::uint64_t block;
+      std::uint32_t sub;
+      std::int32_t id = -1;
+    };
+    std::size_t n = 16;
+    while (n < 2 * refs) n *= 2;
+    std::vector<Slot> map(n);
+    const std::size_t mask = n - 1;
     for (std::size_t i = 0; i < refs; ++i) {
-      auto [it, fresh] = ids.try_emplace(replay_key(t.block_ids[i], t.sub_pages[i]),
-                                         static_cast<std::int32_t>(ids.size()));
-      if (fresh && ids.size() > static_cast<std::size_t>(INT32_MAX)) {
-        throw std::invalid_argument("replay: more than 2^31 distinct pages");
+      const std::uint64_t b = t.block_ids[i];
+      const std::uint32_t sub = t.sub_pages[i];
+      std::size_t j = static_cast<std::size_t>(mix64(b) + 0x9e3779b97f4a7c15ULL * sub) & mask;
+      while (map[j].id >= 0 && !(map[j].block == b && map[j].sub == sub)) j = (j + 1) & mask;
+      if (map[j].id < 0) {
+        if (pages == INT32_MAX)
+          throw std::invalid_argument("replay: more than 2^31 distinct pages");
+        map[j] = {b, sub, pages++};
       }
-      page[i] = it->second;
+      page[i] = map[j].id;
     }
   }
-  std::int32_t pages = 0;
-  for (std::int32_t p : page) pages = std::max(pages, p + 1);
   constexpr std::int32_t kNever = INT32_MAX;
   std::vector<std::int32_t> next_use(refs);
   {

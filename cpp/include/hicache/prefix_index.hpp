@@ -6,9 +6,11 @@
 // store hold a reference, so both conditions reduce to refs == 0.
 
 #include <cstdint>
+#include <deque>
 #include <unordered_map>
 #include <vector>
 
+#include "hicache/entry_table.hpp"
 #include "hicache/key.hpp"
 
 namespace hicache {
@@ -63,7 +65,7 @@ class PrefixIndex {
   void pin(Entry* e) { busy_ += e->refs++ == 0 ? 1 : 0; }
   void unpin(Entry* e);
 
-  std::int64_t size() const { return static_cast<std::int64_t>(map_.size()); }
+  std::int64_t size() const { return static_cast<std::int64_t>(table_.size()); }
   std::int64_t capacity() const { return capacity_; }
   /// Whether an insert would have to evict.
   bool full() const { return size() >= capacity_; }
@@ -81,10 +83,13 @@ class PrefixIndex {
   void unlink(Entry* e);
   std::int64_t take_slot();
   void forget_child(const Entry* e);
+  void drop(Entry* e);  // out of the table, the LRU list and its parent's children
 
-  std::unordered_map<Key, Entry, KeyHash> map_;
-  Entry* lru_head_ = nullptr;  // least recently used
-  Entry* lru_tail_ = nullptr;  // most recently used
+  EntryTable<Entry> table_;
+  std::deque<Entry> entries_;         // stable addresses: transfers hold Entry*
+  std::vector<Entry*> free_entries_;  // erased entries, reused by insert
+  Entry* lru_head_ = nullptr;         // least recently used
+  Entry* lru_tail_ = nullptr;         // most recently used
   std::vector<std::int64_t> free_slots_;
   std::int64_t next_unused_slot_ = 0;
   std::int64_t capacity_;

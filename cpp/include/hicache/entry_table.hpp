@@ -1,0 +1,97 @@
+#pragma once
+// EntryTable: key -> entry pointer, PrefixIndex's lookup structure (internal; not for engines):,
+// open addressing with linear probing over a flat array.
+//
+// The index looks a key up for every page of every lookup and store; a node-based
+// std::unordered_map costs two or three cache misses a lookup (bucket, node, and a modulo by a
+// prime). Here a slot holds the key's first eight bytes beside the pointer, so a probe touches
+// one cache line and the entry only on a tag match. Entries live elsewhere (their addresses
+// never change). Erase shifts later slots back (no tombstones), so probes stay short. The table
+// starts at 16 slots and doubles at half full: an idle index costs nothing.
+
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "hicache/key.hpp"
+
+namespace hicache {
+
+/// E: an entry type with a `Key key` member.
+template <class E>
+class EntryTable {
+ public:
+  EntryTable() : slots_(16) {}
+
+  E* find(const Key& key) const {
+    const std::uint64_t t = tag(key);
+    for (std::size_t i = home(t);; i = next(i)) {
+      const Slot& s = slots_[i];
+      if (s.entry == nullptr) return nullptr;
+      if (s.tag == t && s.entry->key == key) return s.entry;
+    }
+  }
+
+  /// The key must be absent.
+  void insert(E* e) {
+    if (2 * (size_ + 1) > slots_.size()) grow();
+    place(e);
+    ++size_;
+  }
+
+  /// The entry must be present.
+  void erase(const E* e) {
+    std::size_t i = home(tag(e->key));
+    while (slots_[i].entry != e) i = next(i);
+    // Backward-shift deletion: move later members of the probe run into the hole.
+    for (std::size_t j = next(i);; j = next(j)) {
+      if (slots_[j].entry == nullptr) break;
+      const std::size_t h = home(slots_[j].tag);
+      // slots_[j] may move to i if its home is not cyclically within (i, j].
+      const bool stays = (i <= j) ? (i < h && h <= j) : (i < h || h <= j);
+      if (stays) continue;
+      slots_[i] = slots_[j];
+      i = j;
+    }
+    slots_[i] = Slot{};
+    --size_;
+  }
+
+  std::size_t size() const { return size_; }
+
+ private:
+  struct Slot {
+    std::uint64_t tag = 0;
+    E* entry = nullptr;
+  };
+  static std::uint64_t tag(const Key& k) {
+    std::uint64_t t;
+    std::memcpy(&t, k.bytes.data(), sizeof t);
+    return t;
+  }
+  // Fibonacci hashing of the tag: keys from tests with few key bits are not uniform.
+  std::size_t home(std::uint64_t t) const {
+    return static_cast<std::size_t>((t * 0x9e3779b97f4a7c15ULL) >> shift_);
+  }
+  std::size_t next(std::size_t i) const { return (i + 1) & (slots_.size() - 1); }
+  void place(E* e) {
+    const std::uint64_t t = tag(e->key);
+    std::size_t i = home(t);
+    while (slots_[i].entry != nullptr) i = next(i);
+    slots_[i] = {t, e};
+  }
+  void grow() {
+    std::vector<Slot> old(slots_.size() * 2);
+    old.swap(slots_);
+    --shift_;
+    for (const Slot& s : old) {
+      if (s.entry != nullptr) place(s.entry);
+    }
+  }
+
+  std::vector<Slot> slots_;
+  int shift_ = 64 - 4;  // log2(16 slots)
+  std::size_t size_ = 0;
+};
+
+}  // namespace hicache

@@ -1,0 +1,122 @@
+// Admission policies, the ghost of recent keys, and the flat table behind the index.
+
+#include <gtest/gtest.h>
+
+#include <random>
+#include <unordered_map>
+#include <vector>
+
+#include "hicache/admission_policy.hpp"
+#include "hicache/entry_table.hpp"
+#include "hicache/prefix_index.hpp"
+#include "hicache/trace_replay.hpp"
+
+namespace {
+
+std::vector<hicache::Key> prompt(std::uint64_t id, int pages) {
+  std::vector<hicache::Key> keys;
+  for (int j = 0; j < pages; ++j)
+    keys.push_back(hicache::replay_key(id, static_cast<std::uint32_t>(j)));
+  return keys;
+}
+
+}  // namespace
+
+TEST(GhostKeys, RemembersAKeyForOneToTwoGenerationsOfLaterKeys) {
+  hicache::GhostKeys ghost(100);
+  ghost.record(7);
+  for (std::uint64_t k = 1000; k < 1099; ++k) ghost.record(k);  // 100 keys: the generation fills
+  EXPECT_TRUE(ghost.contains(7));                               // now in the older generation
+  for (std::uint64_t k = 2000; k < 2099; ++k) ghost.record(k);
+  EXPECT_TRUE(ghost.contains(7));
+  ghost.record(3000);  // the newer generation fills again: the one holding 7 is dropped
+  EXPECT_FALSE(ghost.contains(7));
+  EXPECT_TRUE(ghost.contains(2000));
+  EXPECT_LE(ghost.size(), 200u);
+  ghost.record(0);  // fingerprint 0 is a key like any other
+  EXPECT_TRUE(ghost.contains(0));
+}
+
+TEST(Admission, SecondSightingDeclinesAFirstSightingOnlyWhileThePoolIsFull) {
+  auto policy = hicache::make_admission_policy(hicache::Admission::kSecondSighting, 64);
+  const auto a = prompt(1, 4);
+  policy->observe(a);
+  EXPECT_TRUE(policy->admit(0, /*pool_full=*/false));  // free slots cost nothing
+  EXPECT_FALSE(policy->admit(0, /*pool_full=*/true));
+  policy->observe(a);  // seen again
+  for (std::size_t i = 0; i < a.size(); ++i) EXPECT_TRUE(policy->admit(i, true));
+  // Negative control: write-through admits the first sighting.
+  auto always = hicache::make_admission_policy(hicache::Admission::kAlways, 64);
+  always->observe(prompt(2, 4));
+  EXPECT_TRUE(always->admit(0, true));
+}
+
+TEST(Admission, AdaptiveChoosesSecondSightingsUnderAScanAndWriteThroughForQuickReuse) {
+  const std::int64_t capacity = 512;  // simulated whole (no sampling below 512 slots)
+  auto policy = hicache::make_admission_policy(hicache::Admission::kAdaptive, capacity);
+  EXPECT_FALSE(policy->wants_second_sighting());  // starts as write-through
+  // A hot prompt of 64 pages between one-off prompts of 600 pages: write-through flushes the hot
+  // prompt every time, second sightings keep it.
+  const auto hot = prompt(1, 64);
+  for (std::uint64_t i = 0; i < 40; ++i) {
+    policy->observe(hot);
+    policy->observe(prompt(1000 + i, 600));
+  }
+  EXPECT_TRUE(policy->wants_second_sighting());
+  EXPECT_FALSE(policy->admit(0, true));  // a one-off's page, first seen, pool full
+  // Prompts seen exactly twice, back to back: write-through hits each second sighting, second
+  // sighting admission never hits; the choice follows.
+  for (std::uint64_t i = 0; i < 400; ++i) {
+    const auto p = prompt(5000 + i, 100);
+    policy->observe(p);
+    policy->observe(p);
+  }
+  EXPECT_FALSE(policy->wants_second_sighting());
+  policy->observe(prompt(9999, 4));
+  EXPECT_TRUE(policy->admit(0, true));
+}
+
+TEST(Admission, NamesRoundTripAndABadNameIsNamed) {
+  for (auto a : {hicache::Admission::kAlways, hicache::Admission::kSecondSighting,
+                 hicache::Admission::kAdaptive}) {
+    EXPECT_EQ(hicache::parse_admission(hicache::admission_name(a)), a);
+  }
+  try {
+    hicache::parse_admission("lfu");
+    FAIL() << "accepted 'lfu'";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("'lfu'"), std::string::npos);
+  }
+}
+
+TEST(EntryTable, MatchesAHashMapOverRandomInsertsAndErasesWithCollidingTags) {
+  // Keys share their first eight bytes (the tag) in groups of eight, so probe runs are long
+  // and backward-shift deletion moves entries across them.
+  std::mt19937_64 rng(1);
+  std::vector<hicache::Entry> pool(4096);
+  for (std::size_t i = 0; i < pool.size(); ++i) {
+    const std::uint64_t tag = i / 8, low = i;
+    std::memcpy(pool[i].key.bytes.data(), &tag, 8);
+    std::memcpy(pool[i].key.bytes.data() + 8, &low, 8);
+  }
+  hicache::EntryTable<hicache::Entry> table;
+  std::unordered_map<std::size_t, bool> present;
+  for (int op = 0; op < 200000; ++op) {
+    const std::size_t i = rng() % pool.size();
+    if (present[i]) {
+      table.erase(&pool[i]);
+      present[i] = false;
+    } else {
+      table.insert(&pool[i]);
+      present[i] = true;
+    }
+    const std::size_t probe = rng() % pool.size();
+    ASSERT_EQ(table.find(pool[probe].key), present[probe] ? &pool[probe] : nullptr) << "op " << op;
+  }
+  std::size_t n = 0;
+  for (const auto& [i, in] : present) {
+    n += in ? 1 : 0;
+    ASSERT_EQ(table.find(pool[i].key), in ? &pool[i] : nullptr);
+  }
+  EXPECT_EQ(table.size(), n);
+}
