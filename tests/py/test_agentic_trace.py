@@ -51,3 +51,9 @@ def test_branches_cut_the_context_back(tmp_path: Path) -> None:
 def test_bad_parameters_are_named(field: str, value: float) -> None:
     with pytest.raises(ValueError, match=field):
         AgenticParams(**{field: value}).check()  # type: ignore[arg-type]
+
+
+def test_the_shipped_agentic_trace_is_what_the_defaults_write(tmp_path: Path) -> None:
+    shipped = Path(__file__).resolve().parents[2] / "data" / "traces" / "agentic_synthetic_trace.jsonl"
+    write_trace(AgenticParams(), tmp_path / "again.jsonl")
+    assert (tmp_path / "again.jsonl").read_bytes() == shipped.read_bytes()

@@ -167,7 +167,6 @@ def _cli(*args: str, pre: str = "") -> subprocess.CompletedProcess[str]:
 
 
 def test_cli_prints_json_lines_as_passes_finish_and_writes_a_plot(trace_file: Path, tmp_path: Path) -> None:
-    pytest.importorskip("matplotlib")
     png = tmp_path / "hit.png"
     out = _cli("replay", str(trace_file), "--capacity", "1024,inf", "--json", "--plot", str(png))
     assert out.returncode == 0, out.stderr
