@@ -7,11 +7,13 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/optional.h>
+#include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/string_view.h>
 #include <nanobind/stl/vector.h>
 
 #include <cstdint>
+#include <cstring>
 #include <memory>
 #include <string>
 #include <vector>
@@ -193,6 +195,36 @@ hicache::ReplayTrace replay_trace(const U64s& block_ids, const U32s& sub_pages,
           {hit_limit.data(), hit_limit.shape(0)}};
 }
 
+hicache::Key key_of(const nb::bytes& b, const char* what) {
+  if (b.size() != 16) {
+    throw std::invalid_argument(std::string(what) + ": keys are 16 bytes (got " +
+                                std::to_string(b.size()) + ")");
+  }
+  hicache::Key k;
+  std::memcpy(k.bytes.data(), b.c_str(), 16);
+  return k;
+}
+
+std::vector<hicache::Key> keys_of(const std::vector<nb::bytes>& v, const char* what) {
+  std::vector<hicache::Key> out;
+  out.reserve(v.size());
+  for (const auto& b : v) out.push_back(key_of(b, what));
+  return out;
+}
+
+std::vector<nb::bytes> bytes_of(const std::vector<hicache::Key>& keys) {
+  std::vector<nb::bytes> out;
+  out.reserve(keys.size());
+  for (const auto& k : keys) out.emplace_back(k.bytes.data(), k.bytes.size());
+  return out;
+}
+
+// A SlotMover with the engine tensors it copies to and from, kept alive as long as it is.
+struct PyMover {
+  std::vector<nb::ndarray<>> segments;
+  std::unique_ptr<hicache::SlotMover> mover;
+};
+
 std::optional<std::string_view> salt_view(const std::optional<nb::bytes>& salt) {
   if (!salt) return std::nullopt;
   return std::string_view(salt->c_str(), salt->size());
@@ -304,6 +336,157 @@ NB_MODULE(_core, m) {
       "block_ids"_a.noconvert(), "sub_pages"_a.noconvert(), "offsets"_a.noconvert(),
       "hit_limit"_a.noconvert(), "capacity_pages"_a,
       "Belady's offline optimum over the same pages and hit rule.");
+
+  nb::class_<hicache::BlockCatalog>(m, "BlockCatalog")
+      .def(
+          "__init__",
+          [](hicache::BlockCatalog* self, std::int64_t capacity_slots, const std::string& eviction,
+             const std::string& admission) {
+            hicache::CatalogOptions o;
+            o.capacity_slots = capacity_slots;
+            o.eviction = parse_eviction(eviction);
+            o.admission = hicache::parse_admission(admission);
+            new (self) hicache::BlockCatalog(o);
+          },
+          "capacity_slots"_a, "eviction"_a, "admission"_a)
+      .def(
+          "lookup",
+          [](hicache::BlockCatalog& c, nb::bytes key) {
+            return static_cast<int>(c.lookup(key_of(key, "lookup")));
+          },
+          "key"_a, "0: miss, 1: hit (loadable), 2: pending (being stored)")
+      .def(
+          "prepare_load",
+          [](hicache::BlockCatalog& c, const std::vector<nb::bytes>& keys) {
+            return c.prepare_load(keys_of(keys, "prepare_load"));
+          },
+          "keys"_a)
+      .def(
+          "complete_load",
+          [](hicache::BlockCatalog& c, const std::vector<nb::bytes>& keys) {
+            c.complete_load(keys_of(keys, "complete_load"));
+          },
+          "keys"_a)
+      .def(
+          "touch",
+          [](hicache::BlockCatalog& c, const std::vector<nb::bytes>& keys) {
+            c.touch(keys_of(keys, "touch"));
+          },
+          "keys"_a)
+      .def(
+          "prepare_store",
+          [](hicache::BlockCatalog& c, const std::vector<nb::bytes>& keys,
+             std::optional<nb::bytes> parent) {
+            std::optional<hicache::Key> p;
+            if (parent) p = key_of(*parent, "prepare_store: parent");
+            auto plan = c.prepare_store(keys_of(keys, "prepare_store"), p);
+            return nb::make_tuple(plan.accepted, plan.slots, bytes_of(plan.evicted));
+          },
+          "keys"_a, "parent"_a.none(),
+          "(indices of the keys accepted, their slots, keys evicted to make room)")
+      .def(
+          "complete_store",
+          [](hicache::BlockCatalog& c, const std::vector<nb::bytes>& keys, bool success) {
+            c.complete_store(keys_of(keys, "complete_store"), success);
+          },
+          "keys"_a, "success"_a)
+      .def("take_events",
+           [](hicache::BlockCatalog& c) {
+             auto ev = c.take_events();
+             return nb::make_tuple(bytes_of(ev.stored), bytes_of(ev.removed));
+           })
+      .def("clear", &hicache::BlockCatalog::clear)
+      .def("stats", [](const hicache::BlockCatalog& c) {
+        const auto s = c.stats();
+        nb::dict d;
+        d["lookups"] = s.lookups;
+        d["lookup_hits"] = s.lookup_hits;
+        d["blocks_loaded"] = s.blocks_loaded;
+        d["blocks_offered"] = s.blocks_offered;
+        d["blocks_stored"] = s.blocks_stored;
+        d["blocks_declined"] = s.blocks_declined;
+        d["blocks_no_room"] = s.blocks_no_room;
+        d["stores_failed"] = s.stores_failed;
+        d["evictions"] = s.evictions;
+        d["used"] = s.used;
+        d["pending"] = s.pending;
+        d["capacity"] = s.capacity;
+        d["admitting_second_sightings_only"] = s.admitting_second_sightings_only;
+        return d;
+      });
+
+  nb::class_<PyMover>(m, "SlotMover")
+      .def(
+          "__init__",
+          [](PyMover* self, std::vector<nb::ndarray<>> segments, std::int64_t num_slots,
+             const std::string& copier, std::optional<std::string> shared_memory, bool create,
+             std::size_t chunk_bytes) {
+            std::vector<hicache::Segment> segs;
+            hicache::Device device{};
+            for (std::size_t i = 0; i < segments.size(); ++i) {
+              segs.push_back(segment_of(segments[i], i));
+              const hicache::Device d = device_of(segments[i], "segment " + std::to_string(i));
+              if (i == 0) {
+                device = d;
+              } else if (!(d == device)) {
+                throw std::invalid_argument("segment " + std::to_string(i) + " is on " + d.str() +
+                                            " but segment 0 is on " + device.str());
+              }
+            }
+            std::shared_ptr<hicache::Copier> chosen;
+            if (copier == "cpu") {
+              chosen = std::make_shared<hicache::CpuCopier>();
+            } else if (copier == "cuda" ||
+                       (copier == "auto" && device.kind == hicache::DeviceKind::kCuda)) {
+              chosen = hicache::make_cuda_copier(device.index);
+            } else if (copier != "auto") {
+              throw std::invalid_argument("copier must be 'auto', 'cpu' or 'cuda', not '" + copier +
+                                          "'");
+            }
+            std::shared_ptr<hicache::HostAllocator> memory;
+            if (shared_memory)
+              memory = hicache::make_shared_memory_allocator(*shared_memory, create);
+            new (self) PyMover{std::move(segments), std::make_unique<hicache::SlotMover>(
+                                                        std::move(segs), device, num_slots, chosen,
+                                                        memory, chunk_bytes)};
+          },
+          "segments"_a, "num_slots"_a, "copier"_a, "shared_memory"_a.none(), "create"_a,
+          "chunk_bytes"_a)
+      .def(
+          "submit",
+          [](PyMover& self, bool to_host, BlockIds slots, BlockIds blocks, std::uintptr_t stream) {
+            nb::gil_scoped_release release;
+            return self.mover->submit(
+                to_host ? hicache::Direction::kToHost : hicache::Direction::kToDevice,
+                {slots.data(), slots.shape(0)}, {blocks.data(), blocks.shape(0)},
+                reinterpret_cast<hicache::StreamHandle>(stream));
+          },
+          "to_host"_a, "slots"_a.noconvert(), "blocks"_a.noconvert(), "stream"_a)
+      .def("finished",
+           [](PyMover& self) {
+             std::vector<std::pair<std::int64_t, bool>> out;
+             for (const auto& r : self.mover->finished()) out.emplace_back(r.job, r.ok);
+             return out;
+           })
+      .def(
+          "wait",
+          [](PyMover& self, const std::vector<std::int64_t>& jobs) { self.mover->wait(jobs); },
+          "jobs"_a, nb::call_guard<nb::gil_scoped_release>())
+      .def(
+          "slot_bytes",
+          [](PyMover& self, std::int64_t slot) {
+            if (slot < 0 || slot >= self.mover->num_slots()) {
+              throw std::out_of_range("slot " + std::to_string(slot) + " is outside [0, " +
+                                      std::to_string(self.mover->num_slots()) + ")");
+            }
+            const std::byte* p = self.mover->slot_address(slot);
+            return nb::bytes(reinterpret_cast<const char*>(p), self.mover->layout().page_bytes());
+          },
+          "slot"_a, "Tests: a copy of the bytes in a host slot.")
+      .def_prop_ro("page_bytes",
+                   [](const PyMover& self) { return self.mover->layout().page_bytes(); })
+      .def_prop_ro("num_slots", [](const PyMover& self) { return self.mover->num_slots(); })
+      .def_prop_ro("copy_path", [](const PyMover& self) { return self.mover->copy_path(); });
 
   nb::class_<hicache::CacheStats>(m, "CacheStats")
       .def_ro("lookups", &hicache::CacheStats::lookups)

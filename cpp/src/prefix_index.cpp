@@ -22,7 +22,7 @@ void PrefixIndex::drop(Entry* e) {
   free_entries_.push_back(e);
 }
 
-std::int64_t PrefixIndex::take_slot() {
+std::int64_t PrefixIndex::take_slot(std::optional<Key>* evicted) {
   if (!free_slots_.empty()) {
     const std::int64_t s = free_slots_.back();
     free_slots_.pop_back();
@@ -33,6 +33,7 @@ std::int64_t PrefixIndex::take_slot() {
   for (Entry* e = lru_head_; e != nullptr; e = e->lru_next) {
     if (e->refs == 0 && !(leaves_only && children_.count(e->serial) != 0)) {
       const std::int64_t s = e->slot;
+      if (evicted != nullptr) *evicted = e->key;
       drop(e);
       ++evictions_;
       return s;
@@ -41,11 +42,13 @@ std::int64_t PrefixIndex::take_slot() {
   return -1;
 }
 
-Entry* PrefixIndex::insert(const Key& key, std::uint64_t serial, std::uint64_t parent_serial) {
+Entry* PrefixIndex::insert(const Key& key, std::uint64_t serial, std::uint64_t parent_serial,
+                           std::optional<Key>* evicted) {
+  if (evicted != nullptr) evicted->reset();
   if (table_.find(key) != nullptr) {
     throw std::logic_error("PrefixIndex::insert: key already present");
   }
-  const std::int64_t slot = take_slot();
+  const std::int64_t slot = take_slot(evicted);
   if (slot < 0) return nullptr;
   Entry* reused = nullptr;
   if (!free_entries_.empty()) {

@@ -2,6 +2,7 @@
 // Everything an engine needs: #include <hicache/hicache.hpp>.
 
 #include "hicache/admission_policy.hpp"
+#include "hicache/block_catalog.hpp"
 #include "hicache/cache_config.hpp"
 #include "hicache/cache_stats.hpp"
 #include "hicache/copier.hpp"
@@ -15,4 +16,5 @@
 #include "hicache/key.hpp"
 #include "hicache/page_layout.hpp"
 #include "hicache/prefix_index.hpp"
+#include "hicache/slot_mover.hpp"
 #include "hicache/trace_replay.hpp"

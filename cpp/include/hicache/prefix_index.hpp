@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <deque>
+#include <optional>
 #include <unordered_map>
 #include <vector>
 
@@ -54,8 +55,10 @@ class PrefixIndex {
 
   /// Creates an entry for an absent key at the most-recently-used end, not ready, holding one
   /// reference (its pending store). Takes a free slot, else evicts the least recently used idle
-  /// entry. Returns nullptr, changing nothing, when every slot is held.
-  Entry* insert(const Key& key, std::uint64_t serial, std::uint64_t parent_serial);
+  /// entry. Returns nullptr, changing nothing, when every slot is held. `evicted`, if given,
+  /// receives the key of the entry evicted to make room (or nullopt).
+  Entry* insert(const Key& key, std::uint64_t serial, std::uint64_t parent_serial,
+                std::optional<Key>* evicted = nullptr);
 
   /// Removes an idle entry and frees its slot. @throws std::logic_error if it is held.
   void erase(Entry* e);
@@ -81,7 +84,7 @@ class PrefixIndex {
  private:
   void link_mru(Entry* e);
   void unlink(Entry* e);
-  std::int64_t take_slot();
+  std::int64_t take_slot(std::optional<Key>* evicted);
   void forget_child(const Entry* e);
   void drop(Entry* e);  // out of the table, the LRU list and its parent's children
 

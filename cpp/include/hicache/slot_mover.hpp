@@ -1,0 +1,86 @@
+#pragma once
+// SlotMover: the copier half of hicache. Copies pages between the engine's blocks and host
+// slots named by the caller (a BlockCatalog's slots), as jobs that complete asynchronously.
+//
+// Each engine process (each tensor-parallel rank, each vLLM worker) makes one over its own KV
+// segments. The slots' memory is its own pool, or one that several processes map (see
+// make_shared_memory_allocator): then a slot written by one process is read by any other.
+
+#include <cstdint>
+#include <list>
+#include <memory>
+#include <mutex>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "hicache/copier.hpp"
+#include "hicache/host_pool.hpp"
+#include "hicache/page_layout.hpp"
+
+namespace hicache {
+
+/// Host memory in a file under /dev/shm that every process naming it maps (MAP_SHARED). The
+/// pool's whole size is mapped by its first allocation (pass chunk_bytes >= the pool's size to
+/// HostPool); pages are not touched until used. `create`: make (or resize) the file, else open
+/// an existing one of exactly the size asked for. The file is removed when the allocator that
+/// created it is destroyed.
+/// @throws std::invalid_argument for a bad name (empty, with '/', or longer than 200 bytes).
+std::shared_ptr<HostAllocator> make_shared_memory_allocator(const std::string& name, bool create);
+
+class SlotMover {
+ public:
+  struct Result {
+    std::int64_t job = 0;
+    bool ok = false;
+  };
+
+  /// @param num_slots the pool's slots, one page (layout's page bytes) each.
+  /// @param copier nullptr: the CPU copier for CPU segments, the CUDA copier for CUDA ones.
+  /// @param memory where slots live; nullptr: the copier's own (pinned for CUDA).
+  /// @throws std::invalid_argument for a bad layout or segments the copier cannot reach.
+  SlotMover(std::vector<Segment> segments, Device device, std::int64_t num_slots,
+            std::shared_ptr<Copier> copier = nullptr,
+            std::shared_ptr<HostAllocator> memory = nullptr,
+            std::size_t chunk_bytes = std::size_t{1} << 30);
+  /// Waits for every job in flight.
+  ~SlotMover();
+  SlotMover(const SlotMover&) = delete;
+  SlotMover& operator=(const SlotMover&) = delete;
+
+  /// Enqueues on `stream` the copy of page slots[i] <-> block blocks[i] for every i, in `dir`.
+  /// @return the job's id (> 0).
+  /// @throws std::invalid_argument (lengths differ, a repeated destination), std::out_of_range
+  ///         (a slot or block id out of range): nothing is enqueued then. hicache::Error if the
+  ///         copy cannot be enqueued.
+  std::int64_t submit(Direction dir, std::span<const std::int64_t> slots,
+                      std::span<const std::int64_t> blocks, StreamHandle stream = nullptr);
+  /// Jobs completed since the last call (a device failure reports ok = false). Non-blocking.
+  std::vector<Result> finished();
+  /// Blocks until the given jobs completed (they are then reported by finished()).
+  void wait(std::span<const std::int64_t> jobs);
+
+  const PageLayout& layout() const { return layout_; }
+  std::int64_t num_slots() const { return pool_->num_slots(); }
+  const char* copy_path() const { return copier_->path(); }
+  /// Address of a slot's page (tests; the bytes are the segments' blocks concatenated).
+  std::byte* slot_address(std::int64_t slot) { return pool_->slot(slot); }
+
+ private:
+  struct Job {
+    std::int64_t id;
+    std::unique_ptr<Fence> fence;
+    bool done = false;
+    bool ok = true;
+  };
+  void poll_locked();
+
+  PageLayout layout_;
+  std::shared_ptr<Copier> copier_;
+  std::unique_ptr<HostPool> pool_;
+  std::mutex mu_;
+  std::list<Job> jobs_;
+  std::int64_t next_job_ = 1;
+};
+
+}  // namespace hicache
