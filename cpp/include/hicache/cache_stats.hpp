@@ -1,10 +1,32 @@
 #pragma once
 // Counters of a HostPrefixCache, a snapshot taken under its lock.
 
+#include <array>
 #include <cstdint>
 #include <string>
 
 namespace hicache {
+
+/// Latencies in fixed buckets (microseconds), Prometheus-style: counts[i] holds those at most
+/// kBoundsUs[i] (and above the bound before); the last count holds those above every bound.
+struct LatencyHistogram {
+  static constexpr std::array<double, 12> kBoundsUs{10,    30,    100,    300,    1000,    3000,
+                                                    10000, 30000, 100000, 300000, 1000000, 3000000};
+  std::array<std::int64_t, kBoundsUs.size() + 1> counts{};
+  double sum_us = 0;
+
+  void record(double us) {
+    std::size_t i = 0;
+    while (i < kBoundsUs.size() && us > kBoundsUs[i]) ++i;
+    ++counts[i];
+    sum_us += us;
+  }
+  std::int64_t count() const {
+    std::int64_t n = 0;
+    for (auto c : counts) n += c;
+    return n;
+  }
+};
 
 struct CacheStats {
   // resume
@@ -43,6 +65,10 @@ struct CacheStats {
   std::int64_t host_bytes = 0;  ///< host memory allocated (pinned, for a GPU cache) so far
   std::int64_t requests = 0;    ///< requests known (seen and not forgotten)
   std::int64_t salts = 0;       ///< salts interned: those some cached page uses, and a few more
+  /// From the call that enqueued a transfer to the poll (or later call) that found it complete,
+  /// so they include how often the engine polls; discarded stores are not counted.
+  LatencyHistogram load_latency;
+  LatencyHistogram store_latency;
   // health
   std::int64_t errors = 0;
   bool disabled = false;

@@ -5,6 +5,7 @@
 // Threads: every public method may be called from several threads at once. Callbacks
 // (allocate, state_export) are called without the cache's lock held, so they may call the cache.
 
+#include <chrono>
 #include <cstdint>
 #include <functional>
 #include <list>
@@ -107,6 +108,7 @@ class HostPrefixCache {
     bool is_store = false;
     bool discard = false;  // store of a forgotten request, or one that raised: never published
     bool open = false;     // its store() call is still running: not retired yet
+    std::chrono::steady_clock::time_point started = std::chrono::steady_clock::now();
     std::unique_ptr<Fence> fence;
     std::vector<Entry*> pages;
     std::vector<Entry*> states;

@@ -1,0 +1,74 @@
+"""One vLLM run for test_vllm_offloading.py (vLLM keeps global state: one run a process).
+
+    python run_vllm.py MODEL_DIR plain|hicache  ->  one JSON line: outputs, what crossed hicache
+
+Several prompts share long prefixes, in three rounds; vLLM's own prefix caching is off, so a
+round can only reuse an earlier one through the host tier. HICACHE_TEST_CORRUPT=1 makes the
+recording worker scramble every block it loads (the negative control).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+ROUNDS = 3
+PREFIX_TOKENS = 700  # 5 full 128-token blocks, then a partial one
+SUFFIX_TOKENS = (50, 80, 110)
+
+
+def main() -> None:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import numpy as np
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    model, mode = sys.argv[1], sys.argv[2]
+    kw: dict = dict(
+        model=model,
+        dtype="float32",  # bf16 on vLLM's CPU backend breaks exact ties differently run to run
+        enable_prefix_caching=False,
+        block_size=128,
+        max_model_len=2048,
+        max_num_seqs=4,
+        enforce_eager=True,
+    )
+    if mode == "hicache":
+        kw["kv_transfer_config"] = {
+            "kv_connector": "OffloadingConnector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {
+                "spec_name": "RecordingSpec",
+                "spec_module_path": "recording_spec",
+                "host_bytes": 64 << 20,
+            },
+        }
+    t0 = time.time()
+    llm = LLM(**kw)
+    rng = np.random.default_rng(0)
+    prefixes = [[int(x) for x in rng.integers(3, 500, PREFIX_TOKENS)] for _ in SUFFIX_TOKENS]
+    outputs, prompt_tokens = [], 0
+    for _ in range(ROUNDS):
+        prompts = [
+            TokensPrompt(prompt_token_ids=p + [int(x) for x in rng.integers(3, 500, n)])
+            for p, n in zip(prefixes, SUFFIX_TOKENS, strict=True)
+        ]
+        prompt_tokens += sum(len(p["prompt_token_ids"]) for p in prompts)
+        for o in llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0), use_tqdm=False):
+            outputs.append(list(o.outputs[0].token_ids))
+    result = {"mode": mode, "outputs": outputs, "prompt_tokens": prompt_tokens, "seconds": time.time() - t0}
+    if mode == "hicache":
+        import recording_spec
+
+        result["log"] = recording_spec.LOG
+        manager = recording_spec.MANAGERS[0]
+        result["catalog"] = manager.stats()
+        manager.get_stats()  # what is left since vLLM's last call
+        result["vllm_stats"] = recording_spec.REPORTED  # every get_stats() vLLM and we made
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
