@@ -300,6 +300,11 @@ bool cuda_available() {
   return n > 0;
 }
 
+std::shared_ptr<HostAllocator> make_cuda_registered_allocator(
+    std::shared_ptr<HostAllocator> inner) {
+  return cuda::make_registered_view(std::move(inner));
+}
+
 std::shared_ptr<Copier> make_cuda_copier(int device, CudaCopierOptions options) {
   int n = 0;
   if (cudaGetDeviceCount(&n) != cudaSuccess || device < 0 || device >= n) {

@@ -69,7 +69,35 @@ class RegisteredPinned final : public HostAllocator {
   unsigned threads_;
 };
 
+class RegisteredView final : public HostAllocator {
+ public:
+  explicit RegisteredView(std::shared_ptr<HostAllocator> inner) : inner_(std::move(inner)) {}
+  void* allocate(std::size_t bytes) override {
+    void* p = inner_->allocate(bytes);
+    const cudaError_t err =
+        cudaHostRegister(p, bytes, cudaHostRegisterPortable | cudaHostRegisterMapped);
+    if (err != cudaSuccess) {
+      inner_->deallocate(p, bytes);
+      throw_cuda_error(err, "cudaHostRegister", __FILE__, __LINE__);
+    }
+    return p;
+  }
+  void deallocate(void* p, std::size_t bytes) noexcept override {
+    cudaHostUnregister(p);
+    inner_->deallocate(p, bytes);
+  }
+  const char* name() const override { return "registered with CUDA"; }
+  bool allocation_is_slow() const override { return true; }
+
+ private:
+  std::shared_ptr<HostAllocator> inner_;
+};
+
 }  // namespace
+
+std::shared_ptr<HostAllocator> make_registered_view(std::shared_ptr<HostAllocator> inner) {
+  return std::make_shared<RegisteredView>(std::move(inner));
+}
 
 std::shared_ptr<HostAllocator> make_pinned_allocator(PinMode mode, int threads) {
   if (mode == PinMode::kHostAlloc) return std::make_shared<HostAllocPinned>();

@@ -17,4 +17,7 @@ enum class PinMode {
 std::shared_ptr<HostAllocator> make_pinned_allocator(PinMode mode = PinMode::kRegister,
                                                      int threads = 0);
 
+/// `inner`'s memory, registered with CUDA after it is allocated (shared memory regions).
+std::shared_ptr<HostAllocator> make_registered_view(std::shared_ptr<HostAllocator> inner);
+
 }  // namespace hicache::cuda

@@ -13,4 +13,8 @@ std::shared_ptr<Copier> make_cuda_copier(int, CudaCopierOptions) {
       "toolkit present, or pass CPU tensors)");
 }
 
+std::shared_ptr<HostAllocator> make_cuda_registered_allocator(std::shared_ptr<HostAllocator>) {
+  throw std::invalid_argument("hicache was built without CUDA: host memory cannot be registered");
+}
+
 }  // namespace hicache

@@ -90,7 +90,11 @@ SlotMover::SlotMover(std::vector<Segment> segments, Device device, std::int64_t 
     throw std::invalid_argument("num_slots must be >= 1 (got " + std::to_string(num_slots) + ")");
   }
   copier_->bind(layout_);
-  if (!memory) memory = copier_->host_allocator();
+  if (!memory) {
+    memory = copier_->host_allocator();
+  } else if (device.kind == DeviceKind::kCuda) {
+    memory = make_cuda_registered_allocator(std::move(memory));  // DMA needs pinned memory
+  }
   const auto growth =
       memory->allocation_is_slow() ? HostPool::Growth::kUpFront : HostPool::Growth::kOnDemand;
   pool_ = std::make_unique<HostPool>(layout_.page_bytes(), num_slots, chunk_bytes,
