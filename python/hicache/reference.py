@@ -123,19 +123,20 @@ class _Admission:
 
     def __init__(self, kind: str, capacity: int) -> None:
         self.kind = kind
-        self.ghost = _Ghost(2 * capacity)
+        self.ghost = _Ghost(4 * capacity)
         self.seen: list[bool] = []
         self.sample = min(max(capacity // 256, 1), 32)
         self.write_through = _MiniLru(capacity // self.sample, 0)
-        self.second = _MiniLru(capacity // self.sample, max(1, 2 * (capacity // self.sample)))
+        self.second = _MiniLru(capacity // self.sample, max(1, 4 * (capacity // self.sample)))
         self.second_sighting = kind == "second-sighting"
 
     def observe(self, keys: list[bytes]) -> None:
         if self.kind == "always":
             return
         fps = [_fingerprint(k) for k in keys]
-        self.seen = [fp in self.ghost for fp in fps]
-        for fp in fps:
+        self.seen = []
+        for fp in fps:  # key by key: seen, then recorded (GhostKeys::check_and_record)
+            self.seen.append(fp in self.ghost)
             self.ghost.record(fp)
         if self.kind != "adaptive":
             return

@@ -10,7 +10,7 @@
 // Policies (measured with `hicache replay`, see BENCHMARKS.md):
 //   kAlways          write-through: every page is admitted.
 //   kSecondSighting  while the pool is full, a page is admitted only if its key was seen in a
-//                    recent prompt (a "ghost" of keys without data, 2-4x the capacity).
+//                    recent prompt (a "ghost" of keys without data: the last 4-8 pools' worth).
 //   kAdaptive        admits every page, or only second sightings, whichever the two miniature
 //                    simulations it runs beside the cache (page-level LRUs over a 1/R sample of
 //                    keys, capacity / R slots) found better over the recent past. Small pools
@@ -61,6 +61,9 @@ class GhostKeys {
   explicit GhostKeys(std::size_t generation);
   bool contains(std::uint64_t fp) const { return newer_.contains(fp) || older_.contains(fp); }
   void record(std::uint64_t fp);
+  /// Whether fp was remembered, then records it: contains() and record() in two probes, not
+  /// three (the ghost sees every page of every prompt).
+  bool check_and_record(std::uint64_t fp);
   std::size_t size() const { return newer_.size + older_.size; }
 
  private:
