@@ -15,6 +15,7 @@ import argparse
 import json
 import os
 import time
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -28,7 +29,7 @@ SHAPES = {  # name: (layers, bytes per layer per 128-token block)
 }
 
 
-def timed(fn, reps: int = 5) -> float:
+def timed(fn: Callable[[], object], reps: int = 5) -> float:
     best = float("inf")
     for _ in range(reps):
         torch.cuda.synchronize()
@@ -39,62 +40,57 @@ def timed(fn, reps: int = 5) -> float:
     return best
 
 
+def measure(views: list[torch.Tensor], n: int, shared: bool) -> dict[str, object]:
+    """Stores blocks 0..n-1 into slots, loads them into blocks n..2n-1; rates against torch."""
+    layers, page = len(views), int(views[0].shape[1])
+    slots = 2 * n
+    shm = f"hicache-bench-{os.getpid()}" if shared else None
+    mover = _core.SlotMover(views, slots, "auto", shm, True, slots * layers * page)
+    stream = torch.cuda.current_stream().cuda_stream
+    src = np.arange(n, dtype=np.int64)
+    dst = np.arange(n, 2 * n, dtype=np.int64)
+    slot_ids = np.arange(n, dtype=np.int64)
+    t_store = timed(lambda: mover.wait([mover.submit(True, slot_ids, src, stream)]))
+    t_load = timed(lambda: mover.wait([mover.submit(False, slot_ids, dst, stream)]))
+    mover.finished()
+    exact = all(torch.equal(v[n : 2 * n], v[:n]) for v in views)  # the loads brought back the stores
+    nbytes = n * layers * page
+    host = torch.empty(nbytes, dtype=torch.int8, pin_memory=True)
+    gpu = torch.empty(nbytes, dtype=torch.int8, device=views[0].device)
+    t_d2h = timed(lambda: host.copy_(gpu, non_blocking=True))
+    t_h2d = timed(lambda: gpu.copy_(host, non_blocking=True))
+    return {
+        "memory": "shared (/dev/shm, registered)" if shared else "private (pinned)",
+        "path": mover.copy_path,
+        "blocks": n,
+        "MiB": round(nbytes / 2**20),
+        "store_GBps": round(nbytes / t_store / 1e9, 1),
+        "load_GBps": round(nbytes / t_load / 1e9, 1),
+        "store_ratio": round(t_d2h / t_store, 3),
+        "load_ratio": round(t_h2d / t_load, 3),
+        "exact": exact,
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--blocks", type=int, default=128, help="blocks a job moves")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
-    dev = torch.device("cuda")
     n = args.blocks
     rows = []
     for name, (layers, page) in SHAPES.items():
-        num_blocks, slots = 2 * n + 8, 2 * n
-        views = [torch.randint(-128, 127, (num_blocks, page), dtype=torch.int8, device=dev) for _ in range(layers)]
+        shape = (2 * n + 8, page)
+        views = [torch.randint(-128, 127, shape, dtype=torch.int8, device="cuda") for _ in range(layers)]
         for shared in (False, True):
-            shm = f"hicache-bench-{os.getpid()}" if shared else None
-            mover = _core.SlotMover(views, slots, "auto", shm, True, slots * layers * page)
-            stream = torch.cuda.current_stream().cuda_stream
-            src = np.arange(n, dtype=np.int64)
-            dst = np.arange(n, 2 * n, dtype=np.int64)
-            slot_ids = np.arange(n, dtype=np.int64)
-
-            def store() -> None:
-                mover.wait([mover.submit(True, slot_ids, src, stream)])  # noqa: B023
-
-            def load() -> None:
-                mover.wait([mover.submit(False, slot_ids, dst, stream)])  # noqa: B023
-
-            t_store, t_load = timed(store), timed(load)
-            mover.finished()
-            exact = all(torch.equal(v[n : 2 * n], v[:n]) for v in views)  # loads brought the stored bytes back
-            nbytes = n * layers * page
-            host = torch.empty(nbytes, dtype=torch.int8, pin_memory=True)
-            gpu = torch.empty(nbytes, dtype=torch.int8, device=dev)
-            t_d2h = timed(lambda: host.copy_(gpu, non_blocking=True))  # noqa: B023
-            t_h2d = timed(lambda: gpu.copy_(host, non_blocking=True))  # noqa: B023
-            rows.append(
-                {
-                    "shape": name,
-                    "memory": "shared (/dev/shm, registered)" if shared else "private (pinned)",
-                    "path": mover.copy_path,
-                    "blocks": n,
-                    "MiB": round(nbytes / 2**20),
-                    "store_GBps": round(nbytes / t_store / 1e9, 1),
-                    "load_GBps": round(nbytes / t_load / 1e9, 1),
-                    "store_ratio": round(t_d2h / t_store, 3),
-                    "load_ratio": round(t_h2d / t_load, 3),
-                    "exact": exact,
-                }
-            )
-            del mover, host, gpu
+            r = {"shape": name, **measure(views, n, shared)}
+            rows.append(r)
             if not args.json:
-                r = rows[-1]
                 print(
                     f"| {r['shape']} | {r['memory']} | {r['path']} | {r['MiB']} | {r['store_GBps']} "
                     f"| {r['load_GBps']} | {r['store_ratio']} | {r['load_ratio']} | {r['exact']} |",
                     flush=True,
                 )
-        del views
     if args.json:
         print(json.dumps(rows))
 

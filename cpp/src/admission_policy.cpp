@@ -114,7 +114,7 @@ namespace {
 // Ghost generations of four pools' worth of keys: a key is remembered for 4-8 pools' worth of
 // later keys. Generations of 2, 3 and 4 pools measured on the Mooncake traces (BENCHMARKS.md):
 // 4 was best overall (conversation 0.442 / 0.522 of the optimum at 1M / 3M tokens, synthetic
-// 0.419 / 0.619; with 2: 0.440 / 0.516 and 0.382 / 0.612).
+// 0.418 / 0.619; with 2: 0.440 / 0.516 and 0.382 / 0.612).
 std::size_t ghost_generation(std::int64_t capacity) {
   return static_cast<std::size_t>(std::clamp<std::int64_t>(capacity, 1, INT64_MAX / 4) * 4);
 }
