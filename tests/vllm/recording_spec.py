@@ -101,3 +101,14 @@ class RecordingSpec(HicacheOffloadingSpec):
             RecordingWorker.corrupt = os.environ.get("HICACHE_TEST_CORRUPT") == "1"
             self._worker = RecordingWorker(kv_caches, self.num_slots, None)
         return self._worker
+
+
+class CountingSpec(HicacheOffloadingSpec):
+    """hicache's spec as shipped; only the scheduler-side manager is kept for the test to read
+    (with tensor parallelism the workers are other processes)."""
+
+    def get_manager(self):  # type: ignore[no-untyped-def]
+        manager = super().get_manager()
+        if manager not in MANAGERS:
+            MANAGERS.append(manager)  # type: ignore[arg-type]
+        return manager

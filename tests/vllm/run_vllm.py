@@ -1,6 +1,7 @@
 """One vLLM run for test_vllm_offloading.py (vLLM keeps global state: one run a process).
 
-    python run_vllm.py MODEL_DIR plain|hicache  ->  one JSON line: outputs, what crossed hicache
+    python run_vllm.py MODEL_DIR plain|hicache|hicache-shared [TP]  ->  one JSON line: outputs,
+    what crossed hicache
 
 Several prompts share long prefixes, in three rounds; vLLM's own prefix caching is off, so a
 round can only reuse an earlier one through the host tier. HICACHE_TEST_CORRUPT=1 makes the
@@ -26,6 +27,7 @@ def main() -> None:
     from vllm.inputs import TokensPrompt
 
     model, mode = sys.argv[1], sys.argv[2]
+    tp = int(sys.argv[3]) if len(sys.argv) > 3 else 1
     kw: dict = dict(
         model=model,
         dtype="float32",  # bf16 on vLLM's CPU backend breaks exact ties differently run to run
@@ -34,7 +36,19 @@ def main() -> None:
         max_model_len=2048,
         max_num_seqs=4,
         enforce_eager=True,
+        tensor_parallel_size=tp,
     )
+    if mode == "hicache-shared":  # hicache's own spec, each worker's slots in /dev/shm
+        kw["kv_transfer_config"] = {
+            "kv_connector": "OffloadingConnector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {
+                "spec_name": "CountingSpec",
+                "spec_module_path": "recording_spec",
+                "host_bytes": 64 << 20,
+                "shared_memory": True,
+            },
+        }
     if mode == "hicache":
         kw["kv_transfer_config"] = {
             "kv_connector": "OffloadingConnector",
@@ -59,7 +73,7 @@ def main() -> None:
         for o in llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0), use_tqdm=False):
             outputs.append(list(o.outputs[0].token_ids))
     result = {"mode": mode, "outputs": outputs, "prompt_tokens": prompt_tokens, "seconds": time.time() - t0}
-    if mode == "hicache":
+    if mode.startswith("hicache"):
         import recording_spec
 
         result["log"] = recording_spec.LOG

@@ -49,22 +49,25 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
-def run(model_dir: Path, mode: str, corrupt: bool = False) -> dict:
+def run(model_dir: Path, mode: str, corrupt: bool = False, tp: int = 1) -> dict:
     env = {
         **os.environ,
-        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # scheduler and worker in one process: one log
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # the scheduler in this process: its counters readable
         "VLLM_CPU_KVCACHE_SPACE": "1",
+        "VLLM_CPU_OMP_THREADS_BIND": "|".join(str(i % (os.cpu_count() or 1)) for i in range(tp)),
         "HICACHE_TEST_CORRUPT": "1" if corrupt else "0",
     }
     out = subprocess.run(
-        [sys.executable, str(HERE / "run_vllm.py"), str(model_dir), mode],
+        [sys.executable, str(HERE / "run_vllm.py"), str(model_dir), mode, str(tp)],
         capture_output=True,
         text=True,
         env=env,
         timeout=900,
     )
     assert out.returncode == 0, out.stderr[-4000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    # worker processes (TP > 1) may print too: the result is the line run_vllm.py writes
+    line = next(x for x in reversed(out.stdout.splitlines()) if x.startswith('{"mode"'))
+    return json.loads(line)
 
 
 @pytest.fixture(scope="module")
@@ -93,3 +96,16 @@ def test_the_negative_control_scrambling_loads_changes_outputs(model_dir: Path, 
     assert differ >= 1, "scrambled KV blocks left every output unchanged: the comparison has no teeth"
     assert bad["log"]["byte_mismatches"] == bad["log"]["checked_blocks"] == 30
     print(f"\nscrambled loads: {differ} of {len(plain['outputs'])} outputs changed")
+
+
+def test_two_tensor_parallel_workers_with_shared_memory_slots(model_dir: Path, plain: dict) -> None:
+    # hicache's spec as shipped, with shared_memory: vLLM's two CPU workers (TP=2) each copy their
+    # half of every block between their KV shard and their slots in /dev/shm, while the one
+    # scheduler-side catalog names the slots for both.
+    plain2 = run(model_dir, "plain", tp=2)
+    h = run(model_dir, "hicache-shared", tp=2)
+    assert plain2["outputs"] == plain["outputs"]  # TP=2 changes nothing without hicache either
+    assert h["outputs"] == plain2["outputs"]
+    cat = h["catalog"]
+    assert cat["blocks_loaded"] == 30 and cat["blocks_stored"] >= 15, cat
+    assert not [f for f in os.listdir("/dev/shm") if f.startswith("hicache-")], "regions left behind"
