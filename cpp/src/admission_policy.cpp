@@ -138,6 +138,11 @@ class Sightings {
       seen_[i] = ghost_.check_and_record(key_fingerprint(keys[i]));
     }
   }
+  /// Records the keys without answering seen_before (which then says false).
+  void record(std::span<const Key> keys) {
+    seen_.clear();
+    for (const Key& k : keys) ghost_.record(key_fingerprint(k));
+  }
   bool seen_before(std::size_t i) const { return i < seen_.size() && seen_[i]; }
 
  private:
@@ -209,7 +214,6 @@ class Adaptive final : public AdmissionPolicy {
                 ghost_generation(capacity / static_cast<std::int64_t>(sample_))) {}
 
   void observe(std::span<const Key> keys) override {
-    sightings_.observe(keys);
     for (const Key& k : keys) {
       const std::uint64_t fp = key_fingerprint(k);
       if ((fp >> 32) % sample_ != 0) continue;
@@ -221,6 +225,13 @@ class Adaptive final : public AdmissionPolicy {
     write_through_.decay(kDecay);
     second_.decay(kDecay);
     second_sighting_ = second_.hits() > write_through_.hits();
+    // The simulations do not depend on the ghost, so the choice is known first: writing through,
+    // this store needs no sightings, and recording the keys costs one probe a key, not two.
+    if (second_sighting_) {
+      sightings_.observe(keys);
+    } else {
+      sightings_.record(keys);
+    }
   }
   bool admit(std::size_t i, bool pool_full) override {
     return !pool_full || !second_sighting_ || sightings_.seen_before(i);
