@@ -89,6 +89,7 @@ class Point:
             capacity_pages=capacity * pages,
             cuda_path=path,
             cuda_staging_bytes=staging,
+            admission="always",  # every store copies: this measures copies, not the policy
         )
         self.path = self.cache.copy_path
         self.pool_bytes = capacity * pages * ((self.page_bytes + 255) // 256 * 256)

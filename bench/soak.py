@@ -71,7 +71,10 @@ def main() -> int:
     B, blocks = 128, 1024
     dev = torch.device(args.device)
     segs = [torch.zeros(blocks, B, 8, 64, dtype=torch.int16, device=dev) for _ in range(8)]  # 1 MiB pages
-    cache = hicache.HostPrefixCache(segs, block_tokens=B, capacity_pages=args.pages, pin_upfront=True)
+    # Write-through: every store copies and evicts, the churn this soak is about.
+    cache = hicache.HostPrefixCache(
+        segs, block_tokens=B, capacity_pages=args.pages, pin_upfront=True, admission="always"
+    )
     rng = np.random.default_rng(0)
     convs = [rng.integers(0, 50000, size=int(rng.integers(8, 40)) * B + 17) for _ in range(64)]  # ~1500 pages
     t_end = time.time() + args.minutes * 60

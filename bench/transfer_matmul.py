@@ -86,7 +86,10 @@ def run_layout(args, dev, main_s, side, x, nseg: int, chunk: int, n: int) -> Non
     stores_in_flight = 16
 
     def make_cache(pages: int, **kw: object) -> hicache.HostPrefixCache:
-        return hicache.HostPrefixCache(segs, block_tokens=B, capacity_pages=pages, pin_upfront=True, **kw)
+        # admission="always": every store copies (this measures copies, not the policy)
+        return hicache.HostPrefixCache(
+            segs, block_tokens=B, capacity_pages=pages, pin_upfront=True, admission="always", **kw
+        )
 
     def variants(label: str, **kw: object) -> list[tuple[str, Callable[[], None], hicache.HostPrefixCache]]:
         loads = make_cache(2 * n, **kw)
