@@ -135,16 +135,15 @@ class HicacheManager(OffloadingManager):
     def __init__(self, num_slots: int, eviction: str, admission: str, enable_events: bool) -> None:
         self.catalog = _core.BlockCatalog(num_slots, eviction, admission)
         self.enable_events = enable_events
-        self._vllm_key: dict[bytes, OffloadKey] = {}  # hicache key -> vLLM key, for blocks known
+        # hicache key -> vLLM key, for blocks stored or being stored (lookups add nothing, so
+        # misses cost no memory)
+        self._vllm_key: dict[bytes, OffloadKey] = {}
         self._reported: dict[str, Any] = {}  # counters as of the last get_stats()
+        self._events: list[OffloadingEvent] = []  # for take_events (kept only if vLLM wants them)
 
-    def _mine(self, keys: Iterable[OffloadKey]) -> list[bytes]:
-        out = []
-        for k in keys:
-            m = catalog_key(k)
-            self._vllm_key.setdefault(m, k)
-            out.append(m)
-        return out
+    @staticmethod
+    def _mine(keys: Iterable[OffloadKey]) -> list[bytes]:
+        return [catalog_key(k) for k in keys]
 
     def _state(self, ctx: ReqContext) -> _RequestKeys:
         state = ctx.get_state(_RequestKeys)
@@ -177,7 +176,10 @@ class HicacheManager(OffloadingManager):
         for k, m in zip(keys, mine, strict=True):
             state.note(req_context, k, m)
         accepted, slots, evicted = self.catalog.prepare_store(mine, parent)
-        evicted_keys = [self._vllm_key.pop(e) for e in evicted if e in self._vllm_key]
+        for i in accepted:  # vLLM's names of the blocks hicache holds, for events and evictions
+            self._vllm_key[mine[i]] = keys[i]
+        evicted_keys = [self._vllm_key[e] for e in evicted if e in self._vllm_key]
+        self._drain()
         return PrepareStoreOutput(
             keys_to_store=[keys[i] for i in accepted],
             store_spec=HicacheLoadStoreSpec(slots),
@@ -188,27 +190,32 @@ class HicacheManager(OffloadingManager):
         self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True
     ) -> None:
         self.catalog.complete_store(self._mine(keys), success)
+        self._drain()
+
+    def _drain(self) -> None:
+        """Takes the catalog's events: forgets the names of removed blocks (so the map holds only
+        blocks in hicache) and, if vLLM wants events, keeps them for take_events."""
+        stored, removed = self.catalog.take_events()
+        if self.enable_events and stored:
+            self._events.append(
+                OffloadingEvent([self._vllm_key[m] for m in stored], Medium.CPU, removed=False)
+            )
+        gone = [self._vllm_key.pop(m) for m in removed if m in self._vllm_key]
+        if self.enable_events and gone:
+            self._events.append(OffloadingEvent(gone, Medium.CPU, removed=True))
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
         self._state(req_context)
         return RequestOffloadingContext()
 
     def take_events(self) -> Iterable[OffloadingEvent]:
-        stored, removed = self.catalog.take_events()
-        if not self.enable_events:
-            for m in removed:
-                self._vllm_key.pop(m, None)
-            return ()
-        events = []
-        if stored:
-            events.append(OffloadingEvent([self._vllm_key[m] for m in stored], Medium.CPU, removed=False))
-        gone = [self._vllm_key.pop(m) for m in removed if m in self._vllm_key]
-        if gone:
-            events.append(OffloadingEvent(gone, Medium.CPU, removed=True))
+        self._drain()
+        events, self._events = self._events, []
         return events
 
     def reset_cache(self) -> None:
         self.catalog.clear()
+        self._drain()
 
     def stats(self) -> dict[str, Any]:
         """hicache's counters (a collector: :class:`hicache.metrics.HicacheCollector`)."""
