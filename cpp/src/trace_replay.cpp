@@ -146,24 +146,39 @@ ReplayResult replay_optimum(const ReplayTrace& t, std::int64_t capacity_pages) {
   std::vector<std::int32_t> page(refs);
   std::int32_t pages = 0;
   {
-    // A flat open-addressed map (block id, sub-page) -> dense id, at most half full.
+    // A flat open-addressed map (block id, sub-page) -> dense id, at most half full; it grows
+    // with the distinct pages, not the references (a trace reuses most of its pages).
     struct Slot {
-      std::uint64_t block;
-      std::uint32_t sub;
+      std::uint64_t block = 0;
+      std::uint32_t sub = 0;
       std::int32_t id = -1;
     };
-    std::size_t n = 16;
-    while (n < 2 * refs) n *= 2;
-    std::vector<Slot> map(n);
-    const std::size_t mask = n - 1;
+    auto home = [](std::uint64_t b, std::uint32_t sub, std::size_t mask) {
+      return static_cast<std::size_t>(mix64(b) + 0x9e3779b97f4a7c15ULL * sub) & mask;
+    };
+    std::vector<Slot> map(1024);
     for (std::size_t i = 0; i < refs; ++i) {
       const std::uint64_t b = t.block_ids[i];
       const std::uint32_t sub = t.sub_pages[i];
-      std::size_t j = static_cast<std::size_t>(mix64(b) + 0x9e3779b97f4a7c15ULL * sub) & mask;
+      std::size_t mask = map.size() - 1;
+      std::size_t j = home(b, sub, mask);
       while (map[j].id >= 0 && !(map[j].block == b && map[j].sub == sub)) j = (j + 1) & mask;
       if (map[j].id < 0) {
         if (pages == INT32_MAX)
           throw std::invalid_argument("replay: more than 2^31 distinct pages");
+        if (2 * (static_cast<std::size_t>(pages) + 1) > map.size()) {
+          std::vector<Slot> bigger(map.size() * 2);
+          mask = bigger.size() - 1;
+          for (const Slot& old : map) {
+            if (old.id < 0) continue;
+            std::size_t k = home(old.block, old.sub, mask);
+            while (bigger[k].id >= 0) k = (k + 1) & mask;
+            bigger[k] = old;
+          }
+          map.swap(bigger);
+          j = home(b, sub, mask);
+          while (map[j].id >= 0) j = (j + 1) & mask;
+        }
         map[j] = {b, sub, pages++};
       }
       page[i] = map[j].id;
