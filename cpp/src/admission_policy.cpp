@@ -86,6 +86,15 @@ bool GhostKeys::Table::insert(std::uint64_t fp) {
   }
 }
 
+void GhostKeys::Table::prefetch(std::uint64_t fp) const {
+  __builtin_prefetch(&slots[home(stored(fp), slots.size() - 1)]);
+}
+
+void GhostKeys::prefetch(std::uint64_t fp) const {
+  newer_.prefetch(fp);
+  older_.prefetch(fp);
+}
+
 void GhostKeys::Table::clear() {
   std::fill(slots.begin(), slots.end(), 0);
   size = 0;
@@ -128,6 +137,8 @@ class AlwaysAdmit final : public AdmissionPolicy {
 
 // Remembers which keys of the prompt were in the ghost before this prompt recorded them.
 class Sightings {
+  static constexpr std::size_t kAhead = 8;  // keys prefetched ahead of the probe
+
  public:
   explicit Sightings(std::int64_t capacity) : ghost_(ghost_generation(capacity)) {}
   // Key by key: whether it was in the ghost, then recorded (a key repeated within one prompt,
@@ -135,13 +146,17 @@ class Sightings {
   void observe(std::span<const Key> keys) {
     seen_.assign(keys.size(), false);
     for (std::size_t i = 0; i < keys.size(); ++i) {
+      if (i + kAhead < keys.size()) ghost_.prefetch(key_fingerprint(keys[i + kAhead]));
       seen_[i] = ghost_.check_and_record(key_fingerprint(keys[i]));
     }
   }
   /// Records the keys without answering seen_before (which then says false).
   void record(std::span<const Key> keys) {
     seen_.clear();
-    for (const Key& k : keys) ghost_.record(key_fingerprint(k));
+    for (std::size_t i = 0; i < keys.size(); ++i) {
+      if (i + kAhead < keys.size()) ghost_.prefetch(key_fingerprint(keys[i + kAhead]));
+      ghost_.record(key_fingerprint(keys[i]));
+    }
   }
   bool seen_before(std::size_t i) const { return i < seen_.size() && seen_[i]; }
 

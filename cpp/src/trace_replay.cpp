@@ -80,7 +80,9 @@ ReplayResult replay_policy(const ReplayTrace& t, std::int64_t capacity_pages,
         std::clamp<std::int64_t>(t.hit_limit[r], 0, static_cast<std::int64_t>(n)));
     chain.clear();
     std::uint64_t parent = kRoot;
+    constexpr std::size_t kAhead = 8;  // keys whose table slots are prefetched ahead of the walk
     for (std::size_t i = 0; i < limit; ++i) {
+      if (i + kAhead < limit) index.prefetch(keys[i + kAhead]);
       Entry* e = index.find(keys[i]);
       if (e == nullptr || !e->ready || e->parent_serial != parent) break;
       chain.push_back(e);
@@ -104,6 +106,7 @@ ReplayResult replay_policy(const ReplayTrace& t, std::int64_t capacity_pages,
       held.push_back(chain[i]);
     }
     for (std::size_t i = hit; i < n; ++i) {
+      if (i + kAhead < n) index.prefetch(keys[i + kAhead]);
       Entry* e = index.find(keys[i]);
       if (e != nullptr) {
         if (e->parent_serial == parent) {

@@ -52,6 +52,8 @@ class PrefixIndex {
   PrefixIndex& operator=(const PrefixIndex&) = delete;
 
   Entry* find(const Key& key);
+  /// Hints the CPU to fetch where find(key) will look (callers walking a chain prefetch ahead).
+  void prefetch(const Key& key) const { table_.prefetch(key); }
 
   /// Creates an entry for an absent key at the most-recently-used end, not ready, holding one
   /// reference (its pending store). Takes a free slot, else evicts the least recently used idle
