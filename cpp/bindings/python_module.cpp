@@ -184,6 +184,8 @@ nb::dict replay_dict(const hicache::ReplayResult& r) {
   d["pages_stored"] = r.pages_stored;
   d["pages_declined"] = r.pages_declined;
   d["evictions"] = r.evictions;
+  d["tier_pages"] = r.tier_pages;
+  d["tier_pages_stored"] = r.tier_pages_stored;
   return d;
 }
 
@@ -329,6 +331,27 @@ NB_MODULE(_core, m) {
       "block_ids"_a.noconvert(), "sub_pages"_a.noconvert(), "offsets"_a.noconvert(),
       "hit_limit"_a.noconvert(), "capacity_pages"_a, "eviction"_a, "admission"_a,
       "Replays a trace of pages through the index and admission policy (see trace_replay.hpp).");
+  m.def(
+      "replay_shared",
+      [](U64s block_ids, U32s sub_pages, BlockIds offsets, BlockIds hit_limit,
+         nb::ndarray<const std::int32_t, nb::ndim<1>, nb::c_contig, nb::device::cpu> instance_of,
+         std::int32_t instances, std::int64_t host_capacity_pages, std::int64_t tier_capacity_pages,
+         const std::string& eviction, const std::string& admission) {
+        const auto ev = parse_eviction(eviction);
+        const auto ad = hicache::parse_admission(admission);
+        hicache::ReplayResult r;
+        {
+          nb::gil_scoped_release release;
+          r = hicache::replay_shared(replay_trace(block_ids, sub_pages, offsets, hit_limit),
+                                     {instance_of.data(), instance_of.shape(0)}, instances,
+                                     host_capacity_pages, tier_capacity_pages, ev, ad);
+        }
+        return replay_dict(r);
+      },
+      "block_ids"_a.noconvert(), "sub_pages"_a.noconvert(), "offsets"_a.noconvert(),
+      "hit_limit"_a.noconvert(), "instance_of"_a.noconvert(), "instances"_a,
+      "host_capacity_pages"_a, "tier_capacity_pages"_a, "eviction"_a, "admission"_a,
+      "Several instances with private host pools over one shared tier (see trace_replay.hpp).");
   m.def(
       "replay_optimum",
       [](U64s block_ids, U32s sub_pages, BlockIds offsets, BlockIds hit_limit,

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <climits>
 #include <cstring>
+#include <memory>
 #include <stdexcept>
 #include <string>
 
@@ -49,95 +50,178 @@ Key replay_key(std::uint64_t block_id, std::uint32_t sub_page) {
   return k;
 }
 
-ReplayResult replay_policy(const ReplayTrace& t, std::int64_t capacity_pages,
-                           EvictionPolicy eviction, Admission admission) {
-  check(t, capacity_pages);
-  const std::size_t requests = t.hit_limit.size();
-  PrefixIndex index(capacity_pages, eviction);
-  auto policy = make_admission_policy(admission, capacity_pages);
-  ReplayResult res;
-  res.served_pages.assign(requests, 0);
-  constexpr std::uint64_t kRoot = 1;  // the one salt's chain root
-  std::uint64_t next_serial = 2;
-  std::vector<Key> keys;
-  std::vector<Entry*> chain, held, fresh;
-  auto touch_chain = [&](const std::vector<Entry*>& c) {  // as HostPrefixCache::touch_chain
-    if (eviction == EvictionPolicy::kLeafFirst) {
-      for (auto it = c.rbegin(); it != c.rend(); ++it) index.touch(*it);
-    } else {
-      for (Entry* e : c) index.touch(e);
-    }
-  };
-  for (std::size_t r = 0; r < requests; ++r) {
-    const auto begin = static_cast<std::size_t>(t.offsets[r]);
-    const auto n = static_cast<std::size_t>(t.offsets[r + 1]) - begin;
-    keys.resize(n);
-    for (std::size_t i = 0; i < n; ++i)
-      keys[i] = replay_key(t.block_ids[begin + i], t.sub_pages[begin + i]);
+namespace {
 
-    // try_resume: the longest ready chain, within the hit rule; a hit touches it.
-    const auto limit = static_cast<std::size_t>(
-        std::clamp<std::int64_t>(t.hit_limit[r], 0, static_cast<std::int64_t>(n)));
-    chain.clear();
+constexpr std::size_t kAhead = 8;  // keys whose table slots are prefetched ahead of a walk
+
+// One cache's index and admission with the rules of HostPrefixCache::try_resume and store.
+class ReplayCache {
+ public:
+  ReplayCache(std::int64_t capacity, EvictionPolicy eviction, Admission admission)
+      : index_(capacity, eviction),
+        policy_(make_admission_policy(admission, capacity)),
+        leaf_first_(eviction == EvictionPolicy::kLeafFirst) {}
+
+  // try_resume: the longest ready chain within `limit` pages; a hit touches it. Leaves the
+  // chain in chain_ for store().
+  std::size_t lookup(std::span<const Key> keys, std::size_t limit) {
+    chain_.clear();
     std::uint64_t parent = kRoot;
-    constexpr std::size_t kAhead = 8;  // keys whose table slots are prefetched ahead of the walk
     for (std::size_t i = 0; i < limit; ++i) {
-      if (i + kAhead < limit) index.prefetch(keys[i + kAhead]);
-      Entry* e = index.find(keys[i]);
+      if (i + kAhead < limit) index_.prefetch(keys[i + kAhead]);
+      Entry* e = index_.find(keys[i]);
       if (e == nullptr || !e->ready || e->parent_serial != parent) break;
-      chain.push_back(e);
+      chain_.push_back(e);
       parent = e->serial;
     }
-    if (!chain.empty()) {
-      res.served_pages[r] = static_cast<std::int64_t>(chain.size());
-      ++res.requests_hit;
-      touch_chain(chain);
-    }
+    if (!chain_.empty()) touch_chain();
+    return chain_.size();
+  }
 
-    // store: write-through of every page the admission policy admits. The pages just hit are
-    // found again by store's walk; nothing ran in between, so their entries are reused.
-    policy->observe(keys);
-    const std::size_t hit = chain.size();
-    held.clear();
-    fresh.clear();
-    parent = hit > 0 ? chain.back()->serial : kRoot;
+  // store: write-through of every page the admission policy admits. The pages the lookup just
+  // hit are found again by store's walk; nothing ran in between, so their entries are reused.
+  void store(std::span<const Key> keys, ReplayResult& res) {
+    policy_->observe(keys);
+    const std::size_t n = keys.size(), hit = chain_.size();
+    held_.clear();
+    fresh_.clear();
+    std::uint64_t parent = hit > 0 ? chain_.back()->serial : kRoot;
     for (std::size_t i = 0; i < hit; ++i) {
-      index.pin(chain[i]);
-      held.push_back(chain[i]);
+      index_.pin(chain_[i]);
+      held_.push_back(chain_[i]);
     }
     for (std::size_t i = hit; i < n; ++i) {
-      if (i + kAhead < n) index.prefetch(keys[i + kAhead]);
-      Entry* e = index.find(keys[i]);
+      if (i + kAhead < n) index_.prefetch(keys[i + kAhead]);
+      Entry* e = index_.find(keys[i]);
       if (e != nullptr) {
         if (e->parent_serial == parent) {
-          index.pin(e);
-          held.push_back(e);
-          chain.push_back(e);
+          index_.pin(e);
+          held_.push_back(e);
+          chain_.push_back(e);
           parent = e->serial;
           continue;
         }
         if (e->refs != 0) break;
       }
-      if (!policy->admit(i, index.full() && e == nullptr)) {
+      if (!policy_->admit(i, index_.full() && e == nullptr)) {
         res.pages_declined += static_cast<std::int64_t>(n - i);
         break;
       }
-      if (e != nullptr) index.erase(e);
-      e = index.insert(keys[i], next_serial++, parent);
+      if (e != nullptr) index_.erase(e);
+      e = index_.insert(keys[i], next_serial_++, parent);
       if (e == nullptr) break;
-      fresh.push_back(e);
-      chain.push_back(e);
+      fresh_.push_back(e);
+      chain_.push_back(e);
       parent = e->serial;
     }
-    for (Entry* e : held) index.unpin(e);
-    touch_chain(chain);
-    res.pages_stored += static_cast<std::int64_t>(fresh.size());
-    for (Entry* e : fresh) {  // the null copier's copy completed: retired by the next call
+    for (Entry* e : held_) index_.unpin(e);
+    touch_chain();
+    res.pages_stored += static_cast<std::int64_t>(fresh_.size());
+    for (Entry* e : fresh_) {  // the null copier's copy completed: retired by the next call
       e->ready = true;
-      index.unpin(e);
+      index_.unpin(e);
     }
   }
-  res.evictions = index.evictions();
+
+  std::int64_t evictions() const { return index_.evictions(); }
+
+ private:
+  static constexpr std::uint64_t kRoot = 1;  // the one salt's chain root
+  void touch_chain() {                       // as HostPrefixCache::touch_chain
+    if (leaf_first_) {
+      for (auto it = chain_.rbegin(); it != chain_.rend(); ++it) index_.touch(*it);
+    } else {
+      for (Entry* e : chain_) index_.touch(e);
+    }
+  }
+
+  PrefixIndex index_;
+  std::unique_ptr<AdmissionPolicy> policy_;
+  bool leaf_first_;
+  std::uint64_t next_serial_ = 2;
+  std::vector<Entry*> chain_, held_, fresh_;
+};
+
+void request_keys(const ReplayTrace& t, std::size_t r, std::vector<Key>& keys) {
+  const auto begin = static_cast<std::size_t>(t.offsets[r]);
+  const auto n = static_cast<std::size_t>(t.offsets[r + 1]) - begin;
+  keys.resize(n);
+  for (std::size_t i = 0; i < n; ++i) {
+    keys[i] = replay_key(t.block_ids[begin + i], t.sub_pages[begin + i]);
+  }
+}
+
+std::size_t hit_limit(const ReplayTrace& t, std::size_t r, std::size_t n) {
+  return static_cast<std::size_t>(
+      std::clamp<std::int64_t>(t.hit_limit[r], 0, static_cast<std::int64_t>(n)));
+}
+
+}  // namespace
+
+ReplayResult replay_policy(const ReplayTrace& t, std::int64_t capacity_pages,
+                           EvictionPolicy eviction, Admission admission) {
+  check(t, capacity_pages);
+  const std::size_t requests = t.hit_limit.size();
+  ReplayCache cache(capacity_pages, eviction, admission);
+  ReplayResult res;
+  res.served_pages.assign(requests, 0);
+  std::vector<Key> keys;
+  for (std::size_t r = 0; r < requests; ++r) {
+    request_keys(t, r, keys);
+    const std::size_t h = cache.lookup(keys, hit_limit(t, r, keys.size()));
+    res.served_pages[r] = static_cast<std::int64_t>(h);
+    res.requests_hit += h > 0 ? 1 : 0;
+    cache.store(keys, res);
+  }
+  res.evictions = cache.evictions();
+  return res;
+}
+
+ReplayResult replay_shared(const ReplayTrace& t, std::span<const std::int32_t> instance_of,
+                           std::int32_t instances, std::int64_t host_capacity_pages,
+                           std::int64_t tier_capacity_pages, EvictionPolicy eviction,
+                           Admission admission) {
+  check(t, host_capacity_pages);
+  const std::size_t requests = t.hit_limit.size();
+  if (instances < 1) throw std::invalid_argument("replay: instances must be >= 1");
+  if (tier_capacity_pages < 0) throw std::invalid_argument("replay: tier capacity must be >= 0");
+  if (instance_of.size() != requests) {
+    throw std::invalid_argument("replay: one instance per request is needed");
+  }
+  std::vector<std::unique_ptr<ReplayCache>> hosts;
+  for (std::int32_t i = 0; i < instances; ++i) {
+    hosts.push_back(std::make_unique<ReplayCache>(host_capacity_pages, eviction, admission));
+  }
+  // The shared tier is large and cheap to write: every page goes to it (write-through).
+  std::unique_ptr<ReplayCache> tier;
+  if (tier_capacity_pages > 0) {
+    tier = std::make_unique<ReplayCache>(tier_capacity_pages, eviction, Admission::kAlways);
+  }
+  ReplayResult res, tier_res;
+  res.served_pages.assign(requests, 0);
+  res.tier_pages.assign(requests, 0);
+  std::vector<Key> keys;
+  for (std::size_t r = 0; r < requests; ++r) {
+    const std::int32_t i = instance_of[r];
+    if (i < 0 || i >= instances) {
+      throw std::invalid_argument("replay: request " + std::to_string(r) + " routed to instance " +
+                                  std::to_string(i) + " of " + std::to_string(instances));
+    }
+    request_keys(t, r, keys);
+    const std::size_t limit = hit_limit(t, r, keys.size());
+    const std::size_t h = hosts[static_cast<std::size_t>(i)]->lookup(keys, limit);
+    // A host miss past page h consults the tier, which serves what it holds beyond the host's
+    // hit; the pages it serves are stored into the host with the rest of the prompt.
+    const std::size_t from_tier = tier ? tier->lookup(keys, limit) : 0;
+    const std::size_t served = std::max(h, from_tier);
+    res.served_pages[r] = static_cast<std::int64_t>(served);
+    res.tier_pages[r] = static_cast<std::int64_t>(served - h);
+    res.requests_hit += served > 0 ? 1 : 0;
+    hosts[static_cast<std::size_t>(i)]->store(keys, res);
+    if (tier) tier->store(keys, tier_res);
+  }
+  for (const auto& h : hosts) res.evictions += h->evictions();
+  res.tier_pages_stored = tier_res.pages_stored;
   return res;
 }
 

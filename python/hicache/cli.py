@@ -107,6 +107,16 @@ def _replay(args: argparse.Namespace) -> int:
             raise ValueError("--keep-tokens must be >= 1 (the last token must be computed)")
         if args.jobs is not None and args.jobs < 1:
             raise ValueError("--jobs must be >= 1")
+        if args.instances:
+            instances = [int(n) for n in args.instances.split(",")]
+            if any(n < 1 for n in instances):
+                raise ValueError("--instances: each count must be >= 1")
+            if args.tier is None:
+                raise ValueError("--instances needs --tier (the shared tier's capacity)")
+            if args.route not in replay.ROUTES:
+                raise ValueError(f"--route must be one of {', '.join(replay.ROUTES)}")
+        elif args.tier is not None:
+            raise ValueError("--tier needs --instances")
         if args.plot:
             replay.check_plot_support()
         capacities = [replay.parse_capacity(c, args.page_bytes) for c in args.capacity.split(",")]
@@ -118,6 +128,8 @@ def _replay(args: argparse.Namespace) -> int:
     except (OSError, ValueError, RuntimeError) as e:
         print(f"hicache replay: {e}", file=sys.stderr)
         return 2
+    if args.instances:
+        return _replay_shared(args, traces, capacities, policies)
     by_trace: dict[str, list] = {}
     try:
         for trace in traces:
@@ -143,6 +155,29 @@ def _replay(args: argparse.Namespace) -> int:
         replay.plot(by_trace, args.plot)
         if not args.json:
             print(f"plot written to {args.plot}")
+    return 0
+
+
+def _replay_shared(args: argparse.Namespace, traces: list, capacities: list[int], policies: list[str]) -> int:
+    from . import replay
+
+    tier = replay.parse_capacity(args.tier, args.page_bytes)
+    policy = policies[0] if policies else "adaptive"
+    try:
+        for trace in traces:
+            if not args.json:
+                print(f"{trace.name}: {len(trace)} requests; policy {policy}", flush=True)
+                print(replay.SHARED_HEADER, flush=True)
+            for n in (int(x) for x in args.instances.split(",")):
+                for cap in capacities:
+                    res = replay.replay_shared(trace, n, cap, tier, args.route, policy, args.keep_tokens)
+                    if args.json:
+                        print(json.dumps({"trace": trace.name, **res.as_dict()}), flush=True)
+                    else:
+                        print(replay.format_shared_row(res), flush=True)
+    except KeyboardInterrupt:
+        print("hicache replay: interrupted; the results above are complete", file=sys.stderr)
+        return 130
     return 0
 
 
@@ -233,6 +268,17 @@ def main(argv: list[str] | None = None) -> int:
     )
     r.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
     r.add_argument("--jobs", type=int, default=None, help="passes run at once (default: every core)")
+    r.add_argument(
+        "--instances",
+        help="comma-separated engine counts: replay N instances with private host pools (--capacity "
+        "each) over one shared tier (--tier), beside N private pools and one big cache",
+    )
+    r.add_argument("--tier", help="the shared tier's capacity (tokens, bytes or inf), with --instances")
+    r.add_argument(
+        "--route",
+        default="affinity",
+        help="with --instances: affinity (a conversation stays on one instance) or round-robin",
+    )
     r.add_argument("--no-optimum", action="store_true", help="skip Belady's offline optimum")
     r.add_argument("--plot", metavar="PNG", help="write hit ratio vs capacity (needs matplotlib)")
     r.add_argument("--json", action="store_true", help="one JSON object a line, as each pass finishes")

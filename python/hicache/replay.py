@@ -267,6 +267,108 @@ def replay_cache(trace: Trace, capacity_pages: int, policy: str, keep_tokens: in
     return _result(policy, trace, capacity_pages, served, raw, time.perf_counter() - t0)
 
 
+ROUTES = ("affinity", "round-robin")
+
+
+def route_requests(trace: Trace, instances: int, route: str) -> np.ndarray:
+    """The instance each request runs on. ``round-robin``: request r on r mod N. ``affinity``: by
+    the page that starts at token 512 (a conversation's turns share it, while page 0 is often a
+    system prompt everyone shares), so one conversation stays on one instance."""
+    if instances < 1:
+        raise ValueError("instances must be >= 1")
+    if route == "round-robin":
+        return (np.arange(len(trace)) % instances).astype(np.int32)
+    if route != "affinity":
+        raise ValueError(f"route must be one of {', '.join(ROUTES)}, not {route!r}")
+    counts = np.diff(trace.offsets)
+    idx = trace.offsets[:-1] + np.minimum(4, np.maximum(counts - 1, 0))
+    ids = np.where(counts > 0, trace.block_ids[np.minimum(idx, max(trace.pages_total - 1, 0))], 0)
+    mixed = (ids.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15)) >> np.uint64(33)
+    return (mixed % np.uint64(instances)).astype(np.int32)
+
+
+@dataclass
+class SharedResult:
+    instances: int
+    route: str
+    host_capacity_tokens: int
+    tier_capacity_tokens: int
+    prompt_tokens: int
+    private_hit_tokens: int  # N private host pools, no shared tier
+    host_hit_tokens: int  # with the tier: served by the instance's own host pool
+    tier_hit_tokens: int  # with the tier: served by the shared tier
+    big_cache_hit_tokens: int  # one cache of N host pools plus the tier, serving every request
+    tier_pages_stored: int
+    seconds: float
+
+    def ratio(self, tokens: int) -> float:
+        return tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    def as_dict(self) -> dict[str, object]:
+        d = asdict(self)
+        for k in ("private", "host", "tier", "big_cache"):
+            d[f"{k}_hit_ratio"] = round(self.ratio(getattr(self, f"{k}_hit_tokens")), 6)
+        d["shared_hit_ratio"] = round(self.ratio(self.host_hit_tokens + self.tier_hit_tokens), 6)
+        return d
+
+
+def replay_shared(
+    trace: Trace,
+    instances: int,
+    host_capacity_pages: int,
+    tier_capacity_pages: int,
+    route: str = "affinity",
+    policy: str = "adaptive",
+    keep_tokens: int = 1,
+) -> SharedResult:
+    """N engine instances with private host pools, over one shared tier written through by all,
+    beside N private pools alone and one big cache of all that memory."""
+    if policy not in POLICIES:
+        raise ValueError(f"unknown policy {policy!r}: choose from {', '.join(POLICIES)}")
+    eviction, admission = POLICIES[policy]
+    t0 = time.perf_counter()
+    where = route_requests(trace, instances, route)
+    args = (trace.block_ids, trace.sub_pages, trace.offsets, trace.hit_limit(keep_tokens))
+    private = _core.replay_shared(*args, where, instances, host_capacity_pages, 0, eviction, admission)
+    shared = _core.replay_shared(
+        *args, where, instances, host_capacity_pages, tier_capacity_pages, eviction, admission
+    )
+    big = _core.replay_policy(
+        *args, instances * host_capacity_pages + tier_capacity_pages, eviction, admission
+    )
+    served, from_tier = sum(shared["served_pages"]), sum(shared["tier_pages"])
+    return SharedResult(
+        instances=instances,
+        route=route,
+        host_capacity_tokens=host_capacity_pages * PAGE_TOKENS,
+        tier_capacity_tokens=tier_capacity_pages * PAGE_TOKENS,
+        prompt_tokens=int(trace.input_lengths.sum()),
+        private_hit_tokens=sum(private["served_pages"]) * PAGE_TOKENS,
+        host_hit_tokens=(served - from_tier) * PAGE_TOKENS,
+        tier_hit_tokens=from_tier * PAGE_TOKENS,
+        big_cache_hit_tokens=sum(big["served_pages"]) * PAGE_TOKENS,
+        tier_pages_stored=int(shared["tier_pages_stored"]),
+        seconds=round(time.perf_counter() - t0, 3),
+    )
+
+
+SHARED_HEADER = (
+    "| instances | route | host pool each (tokens) | shared tier (tokens) | private pools | "
+    "shared: host | shared: tier | shared: total | one big cache | seconds |\n"
+    "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"
+)
+
+
+def format_shared_row(r: SharedResult) -> str:
+    total = r.host_hit_tokens + r.tier_hit_tokens
+    return (
+        f"| {r.instances} | {r.route} | {r.host_capacity_tokens:,} | {r.tier_capacity_tokens:,} "
+        f"| {r.ratio(r.private_hit_tokens):.4f} | {r.ratio(r.host_hit_tokens):.4f} "
+        f"| {r.ratio(r.tier_hit_tokens):.4f} | {r.ratio(total):.4f} | {r.ratio(r.big_cache_hit_tokens):.4f} "
+        f"| {r.seconds} |"
+    )
+
+
 _UNITS = {"": 1, "K": 10**3, "M": 10**6, "G": 10**9}
 _BYTE_UNITS = {
     "B": 1,

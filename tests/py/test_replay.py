@@ -203,3 +203,35 @@ def test_cli_checks_every_option_before_the_first_pass(trace_file: Path) -> None
     assert out.returncode == 2 and "matplotlib" in out.stderr and out.stdout == ""
     with pytest.raises(ValueError, match="keep_tokens"):
         list(replay.run(replay.load_trace(trace_file), [8], ["leaf-first"], keep_tokens=0, optimum=True))
+
+
+def test_a_shared_tier_serves_what_another_instance_stored(tmp_path: Path) -> None:
+    # r0 and r1 share 1024 tokens. Round-robin puts them on instances 0 and 1: r1 misses its own
+    # host pool and the shared tier serves the 8 pages r0 wrote through to it; without the tier
+    # it recomputes them; one big cache serves them from its pool. Affinity routing (the page at
+    # token 512, block 2 here, is the same) puts both on one instance: a host hit.
+    t = replay.load_trace(_write(tmp_path / "two.jsonl", [(1024, [1, 2]), (1025, [1, 2, 9])]))
+    assert replay.route_requests(t, 2, "round-robin").tolist() == [0, 1]
+    rr = replay.replay_shared(t, 2, 100, 100, route="round-robin", policy="leaf-first")
+    assert (rr.private_hit_tokens, rr.host_hit_tokens, rr.tier_hit_tokens) == (0, 0, 1024)
+    assert rr.big_cache_hit_tokens == 1024 and rr.tier_pages_stored == 8  # r1 adds no full page
+    aff = replay.replay_shared(t, 2, 100, 100, route="affinity", policy="leaf-first")
+    assert len(set(replay.route_requests(t, 2, "affinity").tolist())) == 1
+    assert (aff.private_hit_tokens, aff.host_hit_tokens, aff.tier_hit_tokens) == (1024, 1024, 0)
+    none = replay.replay_shared(t, 2, 100, 0, route="round-robin", policy="leaf-first")
+    assert none.tier_hit_tokens == 0  # negative control: no tier, no tier hits
+    with pytest.raises(ValueError, match="route"):
+        replay.route_requests(t, 2, "random")
+
+
+def test_cli_replays_instances_over_a_shared_tier(trace_file: Path) -> None:
+    out = _cli(
+        "replay", str(trace_file), "--instances", "2", "--capacity", "1024", "--tier", "4096", "--json"
+    )
+    assert out.returncode == 0, out.stderr
+    row = json.loads(out.stdout.splitlines()[0])
+    assert row["instances"] == 2 and row["tier_capacity_tokens"] == 4096 and "shared_hit_ratio" in row
+    for args in [["--instances", "2"], ["--tier", "1M"], ["--instances", "0", "--tier", "1M"],
+                 ["--instances", "2", "--tier", "1M", "--route", "random"]]:  # fmt: skip
+        bad = _cli("replay", str(trace_file), *args)
+        assert bad.returncode == 2 and "hicache replay:" in bad.stderr, args

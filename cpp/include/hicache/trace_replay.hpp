@@ -30,10 +30,12 @@ struct ReplayTrace {
 
 struct ReplayResult {
   std::vector<std::int64_t> served_pages;  ///< per request
+  std::vector<std::int64_t> tier_pages;    ///< replay_shared: of those, from the shared tier
   std::int64_t requests_hit = 0;
   std::int64_t pages_stored = 0;  ///< pages written to host memory
   std::int64_t pages_declined = 0;
   std::int64_t evictions = 0;
+  std::int64_t tier_pages_stored = 0;  ///< replay_shared: pages written to the shared tier
 };
 
 /// The key a replayed page gets: injective in (block id, sub-page), uniform in its first bytes.
@@ -43,6 +45,16 @@ Key replay_key(std::uint64_t block_id, std::uint32_t sub_page);
 /// @throws std::invalid_argument for inconsistent spans or capacity < 1.
 ReplayResult replay_policy(const ReplayTrace& trace, std::int64_t capacity_pages,
                            EvictionPolicy eviction, Admission admission);
+
+/// Several engine instances, each with a private host pool (`policy`, `host_capacity_pages`),
+/// over one shared tier of `tier_capacity_pages` (0: none) that every page is written through
+/// to. Request r runs on instance instance_of[r]: its host pool serves the longest cached
+/// prefix; the tier serves what it holds beyond that; the prompt is then stored in both.
+/// @throws std::invalid_argument for a bad instance, count or capacity.
+ReplayResult replay_shared(const ReplayTrace& trace, std::span<const std::int32_t> instance_of,
+                           std::int32_t instances, std::int64_t host_capacity_pages,
+                           std::int64_t tier_capacity_pages, EvictionPolicy eviction,
+                           Admission admission);
 
 /// Belady: evicts the page used farthest in the future and declines a page used later than every
 /// cached one; ties go to the deeper page, so no page is evicted before its descendants.
