@@ -16,6 +16,7 @@
 #include <cstring>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "hicache/hicache.hpp"
@@ -84,6 +85,24 @@ hicache::DeviceBuffer buffer_of(const nb::ndarray<Ts...>& a, const std::string& 
 
 hicache::EvictionPolicy parse_eviction(const std::string& eviction);
 
+// The engine's tensors as segments, all on one device (named in the error if not).
+std::pair<std::vector<hicache::Segment>, hicache::Device> segments_of(
+    const std::vector<nb::ndarray<>>& segments) {
+  std::vector<hicache::Segment> segs;
+  hicache::Device device{};
+  for (std::size_t i = 0; i < segments.size(); ++i) {
+    segs.push_back(segment_of(segments[i], i));
+    const hicache::Device d = device_of(segments[i], "segment " + std::to_string(i));
+    if (i == 0) {
+      device = d;
+    } else if (!(d == device)) {
+      throw std::invalid_argument("segment " + std::to_string(i) + " is on " + d.str() +
+                                  " but segment 0 is on " + device.str());
+    }
+  }
+  return {std::move(segs), device};
+}
+
 // Owns the engine tensors for as long as the cache may copy to or from them. Members are
 // destroyed in reverse order: the cache (which waits for transfers) before the tensors.
 struct PyCache {
@@ -100,18 +119,7 @@ PyCache make_cache(std::vector<nb::ndarray<>> segments, std::int64_t block_token
                    const std::string& cuda_path, bool pin_upfront, const std::string& eviction,
                    const std::string& admission) {
   PyCache out;
-  std::vector<hicache::Segment> segs;
-  hicache::Device device{};
-  for (std::size_t i = 0; i < segments.size(); ++i) {
-    segs.push_back(segment_of(segments[i], i));
-    const hicache::Device d = device_of(segments[i], "segment " + std::to_string(i));
-    if (i == 0) {
-      device = d;
-    } else if (!(d == device)) {
-      throw std::invalid_argument("segment " + std::to_string(i) + " is on " + d.str() +
-                                  " but segment 0 is on " + device.str());
-    }
-  }
+  auto [segs, device] = segments_of(segments);
   hicache::CacheConfig c;
   c.block_tokens = block_tokens;
   c.capacity_pages = capacity_pages;
@@ -452,18 +460,7 @@ NB_MODULE(_core, m) {
           [](PyMover* self, std::vector<nb::ndarray<>> segments, std::int64_t num_slots,
              const std::string& copier, std::optional<std::string> shared_memory, bool create,
              std::size_t chunk_bytes) {
-            std::vector<hicache::Segment> segs;
-            hicache::Device device{};
-            for (std::size_t i = 0; i < segments.size(); ++i) {
-              segs.push_back(segment_of(segments[i], i));
-              const hicache::Device d = device_of(segments[i], "segment " + std::to_string(i));
-              if (i == 0) {
-                device = d;
-              } else if (!(d == device)) {
-                throw std::invalid_argument("segment " + std::to_string(i) + " is on " + d.str() +
-                                            " but segment 0 is on " + device.str());
-              }
-            }
+            auto [segs, device] = segments_of(segments);
             std::shared_ptr<hicache::Copier> chosen;
             if (copier == "cpu") {
               chosen = std::make_shared<hicache::CpuCopier>();

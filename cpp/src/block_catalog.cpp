@@ -20,9 +20,8 @@ void CatalogOptions::validate() const {
 }
 
 BlockCatalog::BlockCatalog(CatalogOptions options)
-    : options_((options.validate(), options)),
-      index_(options_.capacity_slots, options_.eviction),
-      admission_(make_admission_policy(options_.admission, options_.capacity_slots)) {}
+    : index_((options.validate(), options.capacity_slots), options.eviction),
+      admission_(make_admission_policy(options.admission, options.capacity_slots)) {}
 
 BlockCatalog::Lookup BlockCatalog::lookup(const Key& key) {
   std::lock_guard<std::mutex> g(mu_);
@@ -70,12 +69,11 @@ void BlockCatalog::complete_load(std::span<const Key> keys) {
 
 void BlockCatalog::touch(std::span<const Key> keys) {
   std::lock_guard<std::mutex> g(mu_);
-  // Leaf first: the prefix's first block ends most recently used, as HostPrefixCache does.
-  const bool leaf_first = options_.eviction == EvictionPolicy::kLeafFirst;
-  for (std::size_t n = 0; n < keys.size(); ++n) {
-    const Key& k = keys[leaf_first ? keys.size() - 1 - n : n];
-    if (Entry* e = index_.find(k); e != nullptr && e->ready) index_.touch(e);
+  std::vector<Entry*> chain;
+  for (const Key& k : keys) {
+    if (Entry* e = index_.find(k); e != nullptr && e->ready) chain.push_back(e);
   }
+  index_.touch_chain(chain);
 }
 
 BlockCatalog::StorePlan BlockCatalog::prepare_store(std::span<const Key> keys,
@@ -89,8 +87,11 @@ BlockCatalog::StorePlan BlockCatalog::prepare_store(std::span<const Key> keys,
   }
   StorePlan plan;
   std::vector<Entry*> chain;
+  std::vector<Entry*> held;  // cached blocks of the chain, pinned while inserts may evict
   for (std::size_t i = 0; i < keys.size(); ++i) {
     if (Entry* e = index_.find(keys[i]); e != nullptr) {  // cached, or being stored
+      index_.pin(e);
+      held.push_back(e);
       parent_serial = e->serial;
       chain.push_back(e);
       continue;
@@ -114,11 +115,8 @@ BlockCatalog::StorePlan BlockCatalog::prepare_store(std::span<const Key> keys,
     parent_serial = e->serial;
     chain.push_back(e);
   }
-  // Leaf first: the new leaves age first, as HostPrefixCache's store does.
-  const bool leaf_first = options_.eviction == EvictionPolicy::kLeafFirst;
-  for (std::size_t n = 0; n < chain.size(); ++n) {
-    index_.touch(chain[leaf_first ? chain.size() - 1 - n : n]);
-  }
+  for (Entry* e : held) index_.unpin(e);
+  index_.touch_chain(chain);
   return plan;
 }
 

@@ -69,15 +69,6 @@ HostPrefixCache::~HostPrefixCache() {
 
 // --- bookkeeping -------------------------------------------------------------------------------
 
-void HostPrefixCache::touch_chain(const std::vector<Entry*>& chain) {
-  // The last page touched becomes the most recently used.
-  if (config_.eviction == EvictionPolicy::kLeafFirst) {
-    for (auto it = chain.rbegin(); it != chain.rend(); ++it) pages_.touch(*it);
-  } else {
-    for (Entry* e : chain) pages_.touch(e);
-  }
-}
-
 std::uint64_t HostPrefixCache::intern_root(std::string_view salt) {
   if (auto it = roots_.find(salt); it != roots_.end()) return it->second;
   // A salt costs memory only while a page uses it: roots no page 0 names any more are dropped
@@ -328,7 +319,7 @@ std::int64_t HostPrefixCache::try_resume(std::string_view request_id,
   register_transfer(std::move(t), stream, failed);
   if (failed) return 0;
   note_success();
-  touch_chain(matched);
+  pages_.touch_chain(matched);
   if (state) states_.touch(state);
   ++stats_.hits;
   stats_.hit_tokens += tokens;
@@ -452,7 +443,7 @@ std::int64_t HostPrefixCache::store(std::string_view request_id,
     note_success();
   }
   for (Entry* e : held) pages_.unpin(e);
-  touch_chain(chain);
+  pages_.touch_chain(chain);
   stats_.pages_stored += new_pages;
 
   if (config_.state_bytes > 0 && state_export) {

@@ -91,6 +91,14 @@ void PrefixIndex::touch(Entry* e) {
   link_mru(e);
 }
 
+void PrefixIndex::touch_chain(std::span<Entry* const> chain) {
+  if (policy_ == EvictionPolicy::kLeafFirst) {
+    for (auto it = chain.rbegin(); it != chain.rend(); ++it) touch(*it);
+  } else {
+    for (Entry* e : chain) touch(e);
+  }
+}
+
 std::vector<const Entry*> PrefixIndex::lru_order() const {
   std::vector<const Entry*> out;
   out.reserve(table_.size());

@@ -58,9 +58,7 @@ constexpr std::size_t kAhead = 8;  // keys whose table slots are prefetched ahea
 class ReplayCache {
  public:
   ReplayCache(std::int64_t capacity, EvictionPolicy eviction, Admission admission)
-      : index_(capacity, eviction),
-        policy_(make_admission_policy(admission, capacity)),
-        leaf_first_(eviction == EvictionPolicy::kLeafFirst) {}
+      : index_(capacity, eviction), policy_(make_admission_policy(admission, capacity)) {}
 
   // try_resume: the longest ready chain within `limit` pages; a hit touches it. Leaves the
   // chain in chain_ for store().
@@ -74,7 +72,7 @@ class ReplayCache {
       chain_.push_back(e);
       parent = e->serial;
     }
-    if (!chain_.empty()) touch_chain();
+    index_.touch_chain(chain_);
     return chain_.size();
   }
 
@@ -115,7 +113,7 @@ class ReplayCache {
       parent = e->serial;
     }
     for (Entry* e : held_) index_.unpin(e);
-    touch_chain();
+    index_.touch_chain(chain_);
     res.pages_stored += static_cast<std::int64_t>(fresh_.size());
     for (Entry* e : fresh_) {  // the null copier's copy completed: retired by the next call
       e->ready = true;
@@ -127,17 +125,8 @@ class ReplayCache {
 
  private:
   static constexpr std::uint64_t kRoot = 1;  // the one salt's chain root
-  void touch_chain() {                       // as HostPrefixCache::touch_chain
-    if (leaf_first_) {
-      for (auto it = chain_.rbegin(); it != chain_.rend(); ++it) index_.touch(*it);
-    } else {
-      for (Entry* e : chain_) index_.touch(e);
-    }
-  }
-
   PrefixIndex index_;
   std::unique_ptr<AdmissionPolicy> policy_;
-  bool leaf_first_;
   std::uint64_t next_serial_ = 2;
   std::vector<Entry*> chain_, held_, fresh_;
 };

@@ -182,24 +182,12 @@ def _replay_shared(args: argparse.Namespace, traces: list, capacities: list[int]
 
 
 def _trace(args: argparse.Namespace) -> int:
+    import dataclasses
+
     from .agentic_trace import AgenticParams, write_trace
 
     try:
-        params = AgenticParams(
-            sessions=args.sessions,
-            steps=args.steps,
-            system_tokens=args.system_tokens,
-            task_tokens=args.task_tokens,
-            tool_tokens=args.tool_tokens,
-            output_tokens=args.output_tokens,
-            max_context=args.max_context,
-            branch=args.branch,
-            abandon=args.abandon,
-            concurrency=args.concurrency,
-            system_prompts=args.system_prompts,
-            block_tokens=args.block_tokens,
-            seed=args.seed,
-        )
+        params = AgenticParams(**{f.name: getattr(args, f.name) for f in dataclasses.fields(AgenticParams)})
         params.check()
         n, tokens = write_trace(params, args.out)
     except (OSError, ValueError) as e:
@@ -283,21 +271,28 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--plot", metavar="PNG", help="write hit ratio vs capacity (needs matplotlib)")
     r.add_argument("--json", action="store_true", help="one JSON object a line, as each pass finishes")
     r.set_defaults(func=_replay)
+    from .agentic_trace import AgenticParams
+
+    trace_defaults = AgenticParams()  # one place for the defaults: the dataclass
     t = sub.add_parser("trace", help="write a synthetic agentic trace in Mooncake's format")
     t.add_argument("out", help="the JSON-lines file to write")
-    t.add_argument("--sessions", type=int, default=400, help="agent sessions")
-    t.add_argument("--steps", type=int, default=40, help="mean steps (requests) per session")
-    t.add_argument("--system-tokens", type=int, default=4096, help="each system prompt's length")
-    t.add_argument("--system-prompts", type=int, default=4, help="distinct system prompts (agents)")
-    t.add_argument("--task-tokens", type=int, default=2048, help="mean length of a session's task")
-    t.add_argument("--tool-tokens", type=int, default=1500, help="mean tool output per step")
-    t.add_argument("--output-tokens", type=int, default=300, help="mean model output per step")
-    t.add_argument("--max-context", type=int, default=131072, help="a session ends at this length")
-    t.add_argument("--branch", type=float, default=0.05, help="chance a step retries from an earlier one")
-    t.add_argument("--abandon", type=float, default=0.02, help="chance a session ends after a step")
-    t.add_argument("--concurrency", type=int, default=64, help="sessions interleaved at once")
-    t.add_argument("--block-tokens", type=int, default=512, help="tokens per hash id")
-    t.add_argument("--seed", type=int, default=0)
+    for name, text in (
+        ("sessions", "agent sessions"),
+        ("steps", "mean steps (requests) per session"),
+        ("system_tokens", "each system prompt's length"),
+        ("system_prompts", "distinct system prompts (agents)"),
+        ("task_tokens", "mean length of a session's task"),
+        ("tool_tokens", "mean tool output per step"),
+        ("output_tokens", "mean model output per step"),
+        ("max_context", "a session ends at this length"),
+        ("branch", "chance a step retries from an earlier one"),
+        ("abandon", "chance a session ends after a step"),
+        ("concurrency", "sessions interleaved at once"),
+        ("block_tokens", "tokens per hash id"),
+        ("seed", "random seed"),
+    ):
+        default = getattr(trace_defaults, name)
+        t.add_argument(f"--{name.replace('_', '-')}", type=type(default), default=default, help=text)
     t.set_defaults(func=_trace)
     i = sub.add_parser("info", help="version and CUDA availability")
     i.set_defaults(func=_info)

@@ -29,6 +29,7 @@ block each (the connector's default). Anything else is refused at start-up with 
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import time
 from collections.abc import Collection, Iterable
@@ -95,21 +96,26 @@ def catalog_key(key: OffloadKey) -> bytes:
 
 @dataclass
 class _RequestKeys:
-    """The keys of one request seen so far, by end-token position (to name each store's parent)."""
+    """The keys of one request seen so far, by end-token position (to name each store's parent).
+    Positions are kept sorted (they mostly arrive in order, so inserting is at the end)."""
 
+    positions: list[int] = field(default_factory=list)
     by_position: dict[int, bytes] = field(default_factory=dict)
 
     def note(self, ctx: ReqContext, key: OffloadKey, mine: bytes) -> None:
         pos = ctx.get_offload_key_position(key)
-        if pos is not None:
-            self.by_position[pos] = mine
+        if pos is None:
+            return
+        if pos not in self.by_position:
+            bisect.insort(self.positions, pos)
+        self.by_position[pos] = mine
 
     def parent_of(self, ctx: ReqContext, key: OffloadKey) -> bytes | None:
         pos = ctx.get_offload_key_position(key)
         if pos is None:
             return None
-        before = [p for p in self.by_position if p < pos]
-        return self.by_position[max(before)] if before else None
+        i = bisect.bisect_left(self.positions, pos)
+        return self.by_position[self.positions[i - 1]] if i > 0 else None
 
 
 def _slots(config: OffloadingConfig) -> int:

@@ -98,6 +98,20 @@ TEST(BlockCatalog, EvictsLeafFirstNeverAPinnedBlockAndReportsWhatWent) {
   (void)pinned;
 }
 
+TEST(BlockCatalog, AStoreNeverEvictsTheCachedBlocksItExtends) {
+  // One slot holding k0; storing [k0, k1] must not evict k0 (a leaf until k1 exists) to make
+  // room for its own child: k1 finds no room, k0 stays.
+  BlockCatalog cat(opts(1));
+  const auto k = keys(1, 2);
+  cat.prepare_store(std::span<const Key>(k).first(1), std::nullopt);
+  cat.complete_store(std::span<const Key>(k).first(1), true);
+  const auto plan = cat.prepare_store(k, std::nullopt);
+  EXPECT_TRUE(plan.accepted.empty());
+  EXPECT_TRUE(plan.evicted.empty());
+  EXPECT_EQ(cat.lookup(k[0]), BlockCatalog::Lookup::kHit);
+  EXPECT_EQ(cat.stats().blocks_no_room, 1);
+}
+
 TEST(BlockCatalog, SecondSightingAdmissionDeclinesAFirstOfferWhenFull) {
   BlockCatalog cat(opts(2, hicache::Admission::kSecondSighting));
   const auto a = keys(1, 2);

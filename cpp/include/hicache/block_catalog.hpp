@@ -97,7 +97,6 @@ class BlockCatalog {
   std::int64_t clear();
 
  private:
-  CatalogOptions options_;
   mutable std::mutex mu_;
   PrefixIndex index_;
   std::unique_ptr<AdmissionPolicy> admission_;

@@ -115,7 +115,6 @@ class HostPrefixCache {
   };
 
   std::int64_t retire_completed();
-  void touch_chain(const std::vector<Entry*>& chain);
   void finish(Transfer& t);
   // The serial of salt's chain root, created if needed (stores only).
   std::uint64_t intern_root(std::string_view salt);

@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <deque>
 #include <optional>
+#include <span>
 #include <unordered_map>
 #include <vector>
 
@@ -67,6 +68,9 @@ class PrefixIndex {
 
   /// Marks as most recently used.
   void touch(Entry* e);
+  /// Marks a prefix chain (root first) as used: leaf-first touches it leaf first, so the root
+  /// ends most recently used and leaves age first; LRU touches it root first.
+  void touch_chain(std::span<Entry* const> chain);
   void pin(Entry* e) { busy_ += e->refs++ == 0 ? 1 : 0; }
   void unpin(Entry* e);
 
