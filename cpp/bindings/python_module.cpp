@@ -112,19 +112,19 @@ struct PyCache {
 };
 
 PyCache make_cache(std::vector<nb::ndarray<>> segments, std::int64_t block_tokens,
-                   std::int64_t capacity_pages, std::int64_t keep_tokens, std::int64_t state_bytes,
-                   std::int64_t capacity_states, std::int64_t state_lookback, nb::bytes salt,
-                   std::int64_t error_limit, int key_bits, std::size_t pool_chunk_bytes,
-                   const std::string& copier, int cuda_blocks, std::size_t cuda_staging_bytes,
-                   const std::string& cuda_path, bool pin_upfront, const std::string& eviction,
-                   const std::string& admission) {
+                   std::int64_t capacity_pages, std::int64_t keep_tokens,
+                   std::vector<std::int64_t> state_parts, std::int64_t capacity_states,
+                   std::int64_t state_lookback, nb::bytes salt, std::int64_t error_limit,
+                   int key_bits, std::size_t pool_chunk_bytes, const std::string& copier,
+                   int cuda_blocks, std::size_t cuda_staging_bytes, const std::string& cuda_path,
+                   bool pin_upfront, const std::string& eviction, const std::string& admission) {
   PyCache out;
   auto [segs, device] = segments_of(segments);
   hicache::CacheConfig c;
   c.block_tokens = block_tokens;
   c.capacity_pages = capacity_pages;
   c.keep_tokens = keep_tokens;
-  c.state_bytes = state_bytes;
+  c.state_parts = std::move(state_parts);
   c.capacity_states = capacity_states;
   c.state_lookback = state_lookback;
   c.salt = std::string(salt.c_str(), salt.size());
@@ -250,9 +250,17 @@ std::optional<std::string_view> salt_view(const std::optional<nb::bytes>& salt) 
 
 std::int64_t try_resume(PyCache& self, std::string_view request_id, Tokens prompt,
                         nb::callable allocate, std::uintptr_t stream,
-                        std::optional<nb::ndarray<>> state_out, std::optional<nb::bytes> salt) {
-  std::optional<hicache::DeviceBuffer> out;
-  if (state_out) out = buffer_of(*state_out, "state_out");
+                        std::optional<std::vector<nb::ndarray<>>> state_out,
+                        std::optional<nb::bytes> salt) {
+  std::optional<hicache::StateBuffers> out;
+  if (state_out) {
+    out.emplace();
+    for (std::size_t i = 0; i < state_out->size(); ++i) {
+      out->parts.push_back(buffer_of((*state_out)[i], state_out->size() == 1
+                                                          ? std::string("state_out")
+                                                          : "state_out part " + std::to_string(i)));
+    }
+  }
   hicache::HostPrefixCache::AllocateFn fn =
       [&allocate](std::int64_t tokens) -> std::optional<std::vector<std::int64_t>> {
     nb::gil_scoped_acquire acquire;
@@ -276,16 +284,24 @@ std::int64_t store(PyCache& self, std::string_view request_id, Tokens tokens, Bl
   std::vector<nb::object> keep;  // buffers returned by state_export, alive until we return
   hicache::HostPrefixCache::StateExportFn fn;
   if (state_export) {
-    fn = [&state_export, &keep](std::int64_t pos) -> std::optional<hicache::DeviceBuffer> {
+    fn = [&state_export, &keep](std::int64_t pos) -> std::optional<hicache::StateBuffers> {
       nb::gil_scoped_acquire acquire;
       nb::object r = (*state_export)(pos);
       if (r.is_none()) return std::nullopt;
-      nb::ndarray<nb::ro> arr;  // only read from
-      if (!nb::try_cast(r, arr)) {
-        throw nb::type_error("state_export must return an array (a DLPack tensor) or None");
+      std::vector<nb::ndarray<nb::ro>> arrays;  // only read from
+      if (!nb::try_cast(r, arrays)) {
+        throw nb::type_error(
+            "state_export must return a list of arrays (DLPack tensors), one per state part, or "
+            "None");
       }
       keep.push_back(r);
-      return buffer_of(arr, "state_export(" + std::to_string(pos) + ")");
+      hicache::StateBuffers state;
+      const std::string what = "state_export(" + std::to_string(pos) + ")";
+      for (std::size_t i = 0; i < arrays.size(); ++i) {
+        state.parts.push_back(
+            buffer_of(arrays[i], arrays.size() == 1 ? what : what + " part " + std::to_string(i)));
+      }
+      return state;
     };
   }
   std::optional<std::string_view> chain_salt = salt_view(salt);
@@ -560,24 +576,24 @@ NB_MODULE(_core, m) {
       .def(
           "__init__",
           [](PyCache* self, std::vector<nb::ndarray<>> segments, std::int64_t block_tokens,
-             std::int64_t capacity_pages, std::int64_t keep_tokens, std::int64_t state_bytes,
-             std::int64_t capacity_states, std::int64_t state_lookback, nb::bytes salt,
-             std::int64_t error_limit, int key_bits, std::size_t pool_chunk_bytes,
-             const std::string& copier, int cuda_blocks, std::size_t cuda_staging_bytes,
-             const std::string& cuda_path, bool pin_upfront, const std::string& eviction,
-             const std::string& admission) {
+             std::int64_t capacity_pages, std::int64_t keep_tokens,
+             std::vector<std::int64_t> state_parts, std::int64_t capacity_states,
+             std::int64_t state_lookback, nb::bytes salt, std::int64_t error_limit, int key_bits,
+             std::size_t pool_chunk_bytes, const std::string& copier, int cuda_blocks,
+             std::size_t cuda_staging_bytes, const std::string& cuda_path, bool pin_upfront,
+             const std::string& eviction, const std::string& admission) {
             new (self) PyCache(make_cache(std::move(segments), block_tokens, capacity_pages,
-                                          keep_tokens, state_bytes, capacity_states, state_lookback,
-                                          salt, error_limit, key_bits, pool_chunk_bytes, copier,
-                                          cuda_blocks, cuda_staging_bytes, cuda_path, pin_upfront,
-                                          eviction, admission));
+                                          keep_tokens, std::move(state_parts), capacity_states,
+                                          state_lookback, salt, error_limit, key_bits,
+                                          pool_chunk_bytes, copier, cuda_blocks, cuda_staging_bytes,
+                                          cuda_path, pin_upfront, eviction, admission));
           },
-          "segments"_a, "block_tokens"_a, "capacity_pages"_a, "keep_tokens"_a, "state_bytes"_a,
+          "segments"_a, "block_tokens"_a, "capacity_pages"_a, "keep_tokens"_a, "state_parts"_a,
           "capacity_states"_a, "state_lookback"_a, "salt"_a, "error_limit"_a, "key_bits"_a,
           "pool_chunk_bytes"_a, "copier"_a, "cuda_blocks"_a, "cuda_staging_bytes"_a, "cuda_path"_a,
           "pin_upfront"_a, "eviction"_a, "admission"_a)
       .def("try_resume", &try_resume, "request_id"_a, "prompt"_a.noconvert(), "allocate"_a,
-           "stream"_a, "state_out"_a.noconvert().none(), "salt"_a.none())
+           "stream"_a, "state_out"_a.none(), "salt"_a.none())
       .def("store", &store, "request_id"_a, "tokens"_a.noconvert(), "block_ids"_a.noconvert(),
            "stream"_a, "state_export"_a.none(), "salt"_a.none())
       .def(

@@ -16,9 +16,13 @@ namespace {
 // Keys a lookup hashes before its first walk (try_resume hashes more only while pages match).
 constexpr std::int64_t kFirstKeys = 16;
 
-CacheConfig validated(CacheConfig c) {
-  c.validate();
-  return c;
+// Copies a state's parts between the engine's buffers and one host slot, back to back.
+void copy_state(Copier& copier, Direction dir, const StateBuffers& state, std::byte* slot,
+                StreamHandle stream) {
+  for (const DeviceBuffer& part : state.parts) {
+    copier.copy_bytes(dir, part, slot, stream);
+    slot += part.bytes;
+  }
 }
 
 std::shared_ptr<Copier> default_copier(Device device) {
@@ -35,7 +39,8 @@ bool same_tokens(const std::vector<std::int32_t>& a, std::span<const std::int32_
 HostPrefixCache::HostPrefixCache(std::vector<Segment> segments, Device device, CacheConfig config,
                                  std::shared_ptr<Copier> copier)
     : layout_(std::move(segments), device),
-      config_(validated(std::move(config))),
+      config_(config.normalized()),
+      state_parts_(config_.state_part_bytes()),
       copier_(copier ? std::move(copier) : default_copier(device)),
       pages_(config_.capacity_pages, config_.eviction),
       states_(config_.state_bytes > 0 ? config_.capacity_states : 0),
@@ -183,7 +188,7 @@ std::int64_t HostPrefixCache::retire_completed() {
 std::int64_t HostPrefixCache::try_resume(std::string_view request_id,
                                          std::span<const std::int32_t> prompt,
                                          const AllocateFn& allocate, StreamHandle stream,
-                                         std::optional<DeviceBuffer> state_out,
+                                         std::optional<StateBuffers> state_out,
                                          std::optional<std::string_view> salt) {
   if (prompt.empty()) throw std::invalid_argument("try_resume: the prompt is empty");
   const bool has_state = config_.state_bytes > 0;
@@ -192,14 +197,7 @@ std::int64_t HostPrefixCache::try_resume(std::string_view request_id,
       throw std::invalid_argument("try_resume: this cache stores model state (state_bytes=" +
                                   std::to_string(config_.state_bytes) + "); pass state_out");
     }
-    if (state_out->data == nullptr ||
-        state_out->bytes != static_cast<std::size_t>(config_.state_bytes) ||
-        !(state_out->device == layout_.device())) {
-      throw std::invalid_argument(
-          "try_resume: state_out must be " + std::to_string(config_.state_bytes) + " bytes on " +
-          layout_.device().str() + " (got " + std::to_string(state_out->bytes) + " bytes on " +
-          state_out->device.str() + ")");
-    }
+    check_state_buffers(*state_out, state_parts_, layout_.device(), "try_resume: state_out");
   }
   const std::int64_t B = config_.block_tokens;
   const auto n_prompt = static_cast<std::int64_t>(prompt.size());
@@ -310,7 +308,8 @@ std::int64_t HostPrefixCache::try_resume(std::string_view request_id,
       moves[i] = {(*blocks)[i], page_pool_->slot(matched[i]->slot)};
     copier_->copy_pages(Direction::kToDevice, layout_, moves, stream);
     if (state) {
-      copier_->copy_bytes(Direction::kToDevice, *state_out, state_pool_->slot(state->slot), stream);
+      copy_state(*copier_, Direction::kToDevice, *state_out, state_pool_->slot(state->slot),
+                 stream);
     }
   } catch (const Error& e) {
     note_error(e.what());
@@ -485,7 +484,7 @@ bool HostPrefixCache::store_state(std::string_view request_id, const Key& key,
     states_.touch(s);
     return true;
   }
-  std::optional<DeviceBuffer> buf;
+  std::optional<StateBuffers> buf;
   lock.unlock();
   try {
     buf = state_export(position);
@@ -495,12 +494,11 @@ bool HostPrefixCache::store_state(std::string_view request_id, const Key& key,
   }
   lock.lock();
   if (!buf) return true;  // the engine's state ring no longer reaches this position
-  if (buf->data == nullptr || buf->bytes != static_cast<std::size_t>(config_.state_bytes) ||
-      !(buf->device == layout_.device())) {
-    throw std::invalid_argument("state_export(" + std::to_string(position) + ") must return " +
-                                std::to_string(config_.state_bytes) + " bytes on " +
-                                layout_.device().str() + " (got " + std::to_string(buf->bytes) +
-                                " bytes on " + buf->device.str() + "); nothing was stored");
+  try {
+    check_state_buffers(*buf, state_parts_, layout_.device(),
+                        "state_export(" + std::to_string(position) + ")", "must return");
+  } catch (const std::invalid_argument& e) {
+    throw std::invalid_argument(std::string(e.what()) + "; nothing was stored");
   }
   if (disabled_) return true;
   if (Entry* s = states_.find(key); s != nullptr) {  // again: the lock was released
@@ -526,7 +524,7 @@ bool HostPrefixCache::store_state(std::string_view request_id, const Key& key,
   t.states.push_back(e);
   bool failed = false;
   try {
-    copier_->copy_bytes(Direction::kToHost, *buf, host, stream);
+    copy_state(*copier_, Direction::kToHost, *buf, host, stream);
   } catch (const Error& err) {
     note_error(err.what());
     failed = true;

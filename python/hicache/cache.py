@@ -13,7 +13,7 @@ from ._core import HostPrefixCache as _CoreCache
 _data_ptr = operator.methodcaller("data_ptr")
 ArrayLike = Any  # torch.Tensor, numpy.ndarray, or anything exporting DLPack
 Allocate = Callable[[int], "Sequence[int] | ArrayLike | None"]
-StateExport = Callable[[int], "ArrayLike | None"]
+StateExport = Callable[[int], "ArrayLike | Sequence[ArrayLike] | None"]
 CopierKind = Literal["auto", "cpu", "cuda", "deferred", "null"]
 Eviction = Literal["leaf-first", "lru"]
 Admission = Literal["adaptive", "second-sighting", "always"]
@@ -32,7 +32,10 @@ class HostPrefixCache:
         capacity_pages: host pages to keep. Give this or ``host_bytes``.
         host_bytes: host memory for pages, in bytes (rounded down to whole pages).
         keep_tokens: a hit always leaves at least this many prompt tokens to compute (>= 1).
-        state_bytes: bytes of one per-sequence state of a hybrid model (0: no state).
+        state_bytes: bytes of one per-sequence state of a hybrid model (0: no state), or, for a
+            state the engine holds in several tensors (per layer a conv and an SSM state, a
+            window's K and V, in any dtypes), the bytes of each tensor in order: the cache keeps
+            them back to back, and ``state_out`` / ``state_export`` take or give that list.
         capacity_states: host state slots (required when ``state_bytes > 0``).
         state_lookback: ``store`` saves states at this many of the last block boundaries.
         salt: namespace of every chain unless a call passes its own (tenants never share).
@@ -80,7 +83,7 @@ class HostPrefixCache:
         capacity_pages: int | None = None,
         host_bytes: int | None = None,
         keep_tokens: int = 1,
-        state_bytes: int = 0,
+        state_bytes: int | Sequence[int] = 0,
         capacity_states: int = 0,
         state_lookback: int = 2,
         salt: bytes | str = b"",
@@ -114,7 +117,7 @@ class HostPrefixCache:
         if (capacity_pages is None) == (host_bytes is None):
             raise ValueError("give exactly one of capacity_pages and host_bytes")
         keep_tokens = _arrays.int_arg("keep_tokens", keep_tokens, 1, i64)
-        state_bytes = _arrays.int_arg("state_bytes", state_bytes, 0, i64)
+        state_parts = _state_parts(state_bytes)
         capacity_states = _arrays.int_arg("capacity_states", capacity_states, 0, i64)
         state_lookback = _arrays.int_arg("state_lookback", state_lookback, 0, i64)
         error_limit = _arrays.int_arg("error_limit", error_limit, 1, i64)
@@ -151,7 +154,7 @@ class HostPrefixCache:
             block_tokens,
             capacity_pages,
             keep_tokens,
-            state_bytes,
+            state_parts,
             capacity_states,
             state_lookback,
             salt_bytes,
@@ -167,7 +170,8 @@ class HostPrefixCache:
             admission,
         )
         self.block_tokens = block_tokens
-        self.state_bytes = state_bytes
+        self.state_parts = state_parts
+        self.state_bytes = sum(state_parts)
 
     def _check_segments(self) -> None:
         if self._segment_tensors and [*map(_data_ptr, self._segment_tensors)] != self._segment_ptrs:
@@ -186,14 +190,15 @@ class HostPrefixCache:
         allocate: Allocate,
         *,
         stream: Any = None,
-        state_out: ArrayLike | None = None,
+        state_out: ArrayLike | Sequence[ArrayLike] | None = None,
         salt: bytes | str | None = None,
     ) -> int:
         """Serve the longest cached prefix of ``prompt`` from host memory.
 
         On a hit, calls ``allocate(n_tokens)`` for the engine block ids that receive the pages
         (one per ``block_tokens`` tokens, or None to defer), then enqueues the copies (and the
-        state into ``state_out``) on ``stream`` (default: torch's current stream for CUDA
+        state into ``state_out``: a tensor, or one per part if ``state_bytes`` is a list) on
+        ``stream`` (default: torch's current stream for CUDA
         segments), so work enqueued after it on that stream sees the data. The blocks and
         ``state_out`` must stay valid until those copies completed.
 
@@ -209,7 +214,7 @@ class HostPrefixCache:
         tokens = _arrays.as_tokens(prompt, "prompt")
         _arrays.callable_arg("allocate", allocate, "tokens -> block ids or None")
         handle = _arrays.stream_handle(stream, self._segments)
-        out = None if state_out is None else _arrays.dlpack_arg(state_out, "state_out", writable=True)
+        out = None if state_out is None else _state_capsules(state_out, "state_out", writable=True)
         chain_salt = _arrays.as_salt(salt)
 
         def alloc(n: int) -> list[int] | None:
@@ -235,8 +240,9 @@ class HostPrefixCache:
         """Write-through after prefill: copy every full block of ``tokens`` not yet cached.
 
         ``block_ids[i]`` holds tokens ``[i*B, (i+1)*B)``. ``state_export(pos)`` returns the
-        engine's state at ``pos`` (a tensor of ``state_bytes`` bytes) or None; the tensor must
-        stay valid in stream order until the copy ran (its copy is enqueued before the next
+        engine's state at ``pos`` (a tensor of ``state_bytes`` bytes, or a list of tensors, one
+        per part, if ``state_bytes`` is a list) or None; the tensors must stay valid in stream
+        order until the copy ran (its copy is enqueued before the next
         position is asked for, so one staging tensor may serve every call). Entries become
         hit-able after :meth:`poll` sees the copy complete. Best effort: stops when no slot is
         free, or at host memory not pinned yet (both counted).
@@ -261,7 +267,7 @@ class HostPrefixCache:
             def export(pos: int) -> Any:
                 buf = _arrays.call_back(state_export, pos, "state_export")
                 what = f"state_export({pos})'s result"
-                return None if buf is None else _arrays.dlpack_arg(buf, what, writable=False)
+                return None if buf is None else _state_capsules(buf, what, writable=False)
 
         self._check_segments()
         return self._core.store(rid, toks, blocks, handle, export, chain_salt)
@@ -318,3 +324,21 @@ class HostPrefixCache:
     @property
     def device(self) -> str:
         return self._core.device
+
+
+def _state_parts(state_bytes: Any) -> list[int]:
+    """The bytes of each part of a state: [] without states, [n] for one tensor."""
+    i64 = 2**63 - 1
+    if isinstance(state_bytes, (list, tuple)):
+        if not state_bytes:
+            raise ValueError("state_bytes: an empty list; give 0 for a model without state")
+        return [_arrays.int_arg(f"state_bytes[{i}]", n, 1, i64) for i, n in enumerate(state_bytes)]
+    n = _arrays.int_arg("state_bytes", state_bytes, 0, i64)
+    return [n] if n > 0 else []
+
+
+def _state_capsules(state: Any, what: str, *, writable: bool) -> list[Any]:
+    """DLPack capsules of a state: one tensor, or a list or tuple of them (one per part)."""
+    if isinstance(state, (list, tuple)):
+        return [_arrays.dlpack_arg(t, f"{what} part {i}", writable=writable) for i, t in enumerate(state)]
+    return [_arrays.dlpack_arg(state, what, writable=writable)]

@@ -225,6 +225,65 @@ TEST(HostPrefixCache, StateExportReturningNothingSkipsThatBoundary) {
   EXPECT_EQ(cache.stats().states_stored, 1);
 }
 
+TEST(HostPrefixCache, AStateOfSeveralPartsComesBackPartByPart) {
+  // A hybrid model's state in three buffers of different sizes (a conv state, an SSM state in
+  // another dtype, a window): stored back to back, loaded each into its own buffer.
+  FakeEngine eng(8, {64});
+  CacheConfig c = small_config(8);
+  c.state_parts = {3, 16, 5};
+  c.capacity_states = 4;
+  c.state_lookback = 1;
+  HostPrefixCache cache(eng.segments(), {}, c);
+  EXPECT_EQ(cache.config().state_bytes, 24);
+  std::vector<std::vector<std::uint8_t>> staging = {std::vector<std::uint8_t>(3, 0xC0),
+                                                    std::vector<std::uint8_t>(16, 0x55),
+                                                    std::vector<std::uint8_t>(5, 0x0E)};
+  auto as_state = [](std::vector<std::vector<std::uint8_t>>& bufs) {
+    hicache::StateBuffers s;
+    for (auto& b : bufs) s.parts.push_back({b.data(), b.size(), {}});
+    return s;
+  };
+  auto exporter = [&](std::int64_t) -> std::optional<hicache::StateBuffers> {
+    return as_state(staging);
+  };
+  cache.store("a", tokens(33), ids(0, 3), nullptr, exporter);
+  EXPECT_EQ(cache.stats().states_stored, 1);
+  std::vector<std::vector<std::uint8_t>> out = {
+      std::vector<std::uint8_t>(3), std::vector<std::uint8_t>(16), std::vector<std::uint8_t>(5)};
+  EXPECT_EQ(cache.try_resume("b", tokens(33), give(ids(4, 2)), nullptr, as_state(out)), 32);
+  EXPECT_EQ(out, staging);
+
+  // Parts of the wrong count or size are refused by name, before anything is copied.
+  auto two = out;
+  two.pop_back();
+  try {
+    cache.try_resume("c", tokens(33), give(ids(4, 2)), nullptr, as_state(two));
+    FAIL() << "two parts accepted";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("3 parts of [3, 16, 5] bytes"), std::string::npos)
+        << e.what();
+  }
+  auto wrong = out;
+  wrong[1].resize(15);
+  try {
+    cache.try_resume("d", tokens(33), give(ids(4, 2)), nullptr, as_state(wrong));
+    FAIL() << "a 15-byte part 1 accepted";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("part 1 must be 16 bytes"), std::string::npos) << e.what();
+  }
+  staging[2].resize(4);
+  EXPECT_THROW(cache.store("e", tokens(49), ids(0, 4), nullptr, exporter), std::invalid_argument);
+  EXPECT_EQ(cache.stats().states_stored, 1);  // the store that raised published nothing
+
+  CacheConfig bad = small_config(8);
+  bad.state_parts = {4, 0};
+  bad.capacity_states = 1;
+  EXPECT_THROW(HostPrefixCache(eng.segments(), {}, bad), std::invalid_argument);
+  bad.state_parts = {4, 4};
+  bad.state_bytes = 9;  // neither 0 nor the parts' sum
+  EXPECT_THROW(HostPrefixCache(eng.segments(), {}, bad), std::invalid_argument);
+}
+
 TEST(HostPrefixCache, DeferredAllocationReturnsMinusOneAndReleasesThePages) {
   FakeEngine eng(4, {64});
   HostPrefixCache cache(eng.segments(), {}, small_config(2));

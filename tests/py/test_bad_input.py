@@ -123,6 +123,35 @@ def test_bad_salt_type_raises(setup) -> None:
         cache.try_resume("b", torch.arange(40), lambda n: [3, 4], salt=5)  # type: ignore[arg-type]
 
 
+def test_a_state_in_several_tensors_is_checked_part_by_part() -> None:
+    seg = torch.zeros(8, B, 4, dtype=torch.float16)
+    for bad, err, match in [
+        ([], ValueError, "empty list"),
+        ([8, 0], ValueError, r"state_bytes\[1\]"),
+        ([8, -1], ValueError, r"state_bytes\[1\]"),
+        ([8, "4"], TypeError, r"state_bytes\[1\]"),
+        ([8, 2.5], TypeError, r"state_bytes\[1\]"),
+    ]:
+        with pytest.raises(err, match=match):
+            hicache.HostPrefixCache(seg, block_tokens=B, capacity_pages=8, state_bytes=bad, capacity_states=2)
+    cache = hicache.HostPrefixCache(seg, block_tokens=B, capacity_pages=8, state_bytes=[8, 4], capacity_states=2)
+    assert cache.state_bytes == 12
+    a, b = torch.full((2,), 3.0), torch.full((2,), 7, dtype=torch.int16)  # float32 and int16 parts
+    with pytest.raises(ValueError, match="state_out must be 2 parts of"):
+        cache.try_resume("r", torch.arange(40), lambda n: [3, 4], state_out=a)
+    with pytest.raises(ValueError, match="state_out part 1 must be 4 bytes"):
+        cache.try_resume("r", torch.arange(40), lambda n: [3, 4], state_out=[a, a])
+    with pytest.raises(TypeError, match="state_out part 1"):
+        cache.try_resume("r", torch.arange(40), lambda n: [3, 4], state_out=[a, "b"])
+    with pytest.raises(ValueError, match=r"state_export\(32\) part 0 must return 8 bytes"):
+        cache.store("s", torch.arange(2 * B + 1), [0, 1], state_export=lambda pos: [b, b])
+    assert cache.store("s", torch.arange(2 * B + 1), [0, 1], state_export=lambda pos: (a, b)) == 2
+    cache.poll()
+    out = [torch.zeros(2), torch.zeros(2, dtype=torch.int16)]
+    assert cache.try_resume("t", torch.arange(2 * B + 1), lambda n: [3, 4], state_out=out) == 2 * B
+    assert torch.equal(out[0], a) and torch.equal(out[1], b)
+
+
 def test_state_buffers_are_checked() -> None:
     seg = torch.zeros(8, B, 4, dtype=torch.float16)
     cache = hicache.HostPrefixCache(seg, block_tokens=B, capacity_pages=8, state_bytes=16, capacity_states=2)

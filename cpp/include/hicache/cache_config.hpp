@@ -4,6 +4,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "hicache/admission_policy.hpp"
 #include "hicache/prefix_index.hpp"
@@ -20,6 +21,10 @@ struct CacheConfig {
   std::int64_t keep_tokens = 1;
   /// Bytes of one per-sequence state (0: the model has none and states are off).
   std::int64_t state_bytes = 0;
+  /// A state made of several buffers (see state_buffers.hpp): the bytes of each part, in order.
+  /// Empty: one part of state_bytes. Given, state_bytes must be 0 (it becomes their sum) or
+  /// their sum.
+  std::vector<std::int64_t> state_parts;
   /// Host state slots.
   std::int64_t capacity_states = 0;
   /// store() saves states at this many of the prompt's last block boundaries.
@@ -48,6 +53,10 @@ struct CacheConfig {
 
   /// @throws std::invalid_argument naming the first bad field.
   void validate() const;
+  /// The bytes of each part of a state (state_parts, or {state_bytes}; empty without states).
+  std::vector<std::int64_t> state_part_bytes() const;
+  /// A validated copy with state_bytes the sum of state_parts. @throws as validate().
+  CacheConfig normalized() const;
 };
 
 }  // namespace hicache

@@ -17,4 +17,5 @@
 #include "hicache/page_layout.hpp"
 #include "hicache/prefix_index.hpp"
 #include "hicache/slot_mover.hpp"
+#include "hicache/state_buffers.hpp"
 #include "hicache/trace_replay.hpp"

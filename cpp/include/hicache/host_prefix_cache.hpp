@@ -25,6 +25,7 @@
 #include "hicache/host_pool.hpp"
 #include "hicache/page_layout.hpp"
 #include "hicache/prefix_index.hpp"
+#include "hicache/state_buffers.hpp"
 
 namespace hicache {
 
@@ -33,10 +34,11 @@ class HostPrefixCache {
   /// Given the number of tokens to load (a multiple of block_tokens), returns the engine block
   /// ids that receive them, one per page in prompt order, or nullopt to defer (no blocks now).
   using AllocateFn = std::function<std::optional<std::vector<std::int64_t>>(std::int64_t tokens)>;
-  /// Given a position (a multiple of block_tokens), returns a buffer holding the engine's state
-  /// at that position (state_bytes, on the segments' device), or nullopt if the engine can no
-  /// longer produce it. The buffer must stay valid until the copy enqueued on the stream ran.
-  using StateExportFn = std::function<std::optional<DeviceBuffer>(std::int64_t position)>;
+  /// Given a position (a multiple of block_tokens), returns the buffers holding the engine's
+  /// state at that position (one per CacheConfig::state_part_bytes(), on the segments' device),
+  /// or nullopt if the engine can no longer produce it. They must stay valid until the copies
+  /// enqueued on the stream ran.
+  using StateExportFn = std::function<std::optional<StateBuffers>(std::int64_t position)>;
 
   /// @param segments the engine's KV tensors (see page_layout.hpp), all on `device`.
   /// @param copier nullptr picks the CPU copier for CPU segments.
@@ -51,10 +53,10 @@ class HostPrefixCache {
 
   /// Looks up the longest cached prefix of `prompt`, leaving at least keep_tokens to compute
   /// and, if the model has state, ending where a state is stored. On a hit, calls
-  /// `allocate(tokens)`, then enqueues the copies into those blocks (and the state into
-  /// `state_out`) on `stream`, so work the engine enqueues after it on that stream sees the data.
-  /// The blocks and `state_out` must stay valid until the copies into them completed (in stream
-  /// order on a GPU; poll() retires them).
+  /// `allocate(tokens)`, then enqueues the copies into those blocks (and the state's parts into
+  /// `state_out`'s buffers) on `stream`, so work the engine enqueues after it on that stream sees
+  /// the data. The blocks and `state_out` must stay valid until the copies into them completed (in
+  /// stream order on a GPU; poll() retires them).
   /// @return tokens served (a multiple of block_tokens; the engine prefills from there), 0 on a
   ///         miss or cache failure (counted; never thrown), -1 if allocate deferred.
   /// @throws std::invalid_argument for an empty prompt, a missing or wrong-sized state_out, or
@@ -62,7 +64,7 @@ class HostPrefixCache {
   ///         block id outside the pool. Nothing is copied when it throws.
   std::int64_t try_resume(std::string_view request_id, std::span<const std::int32_t> prompt,
                           const AllocateFn& allocate, StreamHandle stream = nullptr,
-                          std::optional<DeviceBuffer> state_out = std::nullopt,
+                          std::optional<StateBuffers> state_out = std::nullopt,
                           std::optional<std::string_view> salt = std::nullopt);
 
   /// Write-through after prefill: enqueues on `stream` the copy of every full block of `tokens`
@@ -138,6 +140,7 @@ class HostPrefixCache {
 
   PageLayout layout_;
   CacheConfig config_;
+  std::vector<std::int64_t> state_parts_;  // bytes of each part of a state
   std::shared_ptr<Copier> copier_;
   std::unique_ptr<HostPool> page_pool_;
   std::unique_ptr<HostPool> state_pool_;
