@@ -3,6 +3,8 @@
 #include <stdexcept>
 #include <string>
 
+#include "hicache/chain_walk.hpp"
+
 namespace hicache {
 namespace {
 
@@ -81,42 +83,27 @@ BlockCatalog::StorePlan BlockCatalog::prepare_store(std::span<const Key> keys,
   std::lock_guard<std::mutex> g(mu_);
   stats_.blocks_offered += static_cast<std::int64_t>(keys.size());
   admission_->observe(keys);
-  std::uint64_t parent_serial = kRoot;
+  std::uint64_t root = kRoot;
   if (parent) {
-    if (const Entry* p = index_.find(*parent); p != nullptr) parent_serial = p->serial;
+    if (const Entry* p = index_.find(*parent); p != nullptr) root = p->serial;
   }
+  StoreWalk w;
   StorePlan plan;
-  std::vector<Entry*> chain;
-  std::vector<Entry*> held;  // cached blocks of the chain, pinned while inserts may evict
-  for (std::size_t i = 0; i < keys.size(); ++i) {
-    if (Entry* e = index_.find(keys[i]); e != nullptr) {  // cached, or being stored
-      index_.pin(e);
-      held.push_back(e);
-      parent_serial = e->serial;
-      chain.push_back(e);
-      continue;
-    }
-    if (!admission_->admit(i, index_.full())) {
-      stats_.blocks_declined += static_cast<std::int64_t>(keys.size() - i);
-      break;
-    }
-    std::optional<Key> evicted;
-    Entry* e = index_.insert(keys[i], next_serial_++, parent_serial, &evicted);
-    if (e == nullptr) {
-      stats_.blocks_no_room += static_cast<std::int64_t>(keys.size() - i);
-      break;
-    }
-    if (evicted) {
-      plan.evicted.push_back(*evicted);
-      events_.removed.push_back(*evicted);
-    }
-    plan.accepted.push_back(i);
-    plan.slots.push_back(e->slot);
-    parent_serial = e->serial;
-    chain.push_back(e);
-  }
-  for (Entry* e : held) index_.unpin(e);
-  index_.touch_chain(chain);
+  // vLLM's keys name their whole prefix: a cached key is the block, whatever its recorded parent.
+  walk_store(
+      index_, *admission_, next_serial_, keys, root, StaleKeys::kTrust, w,
+      [](std::size_t, const Entry*) { return true; },
+      [&](std::size_t i, Entry* e) {
+        plan.accepted.push_back(i);
+        plan.slots.push_back(e->slot);
+        return true;
+      });
+  index_.touch_chain(w.chain);
+  const auto rest = static_cast<std::int64_t>(keys.size() - w.stopped_at);
+  if (w.stop == StoreWalk::Stop::kDeclined) stats_.blocks_declined += rest;
+  if (w.stop == StoreWalk::Stop::kNoRoom) stats_.blocks_no_room += rest;
+  plan.evicted = w.evicted;
+  events_.removed.insert(events_.removed.end(), w.evicted.begin(), w.evicted.end());
   return plan;
 }
 

@@ -5,6 +5,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "hicache/chain_walk.hpp"
 #include "hicache/cpu_copier.hpp"
 #include "hicache/cuda_copier.hpp"
 #include "hicache/error.hpp"
@@ -218,20 +219,14 @@ std::int64_t HostPrefixCache::try_resume(std::string_view request_id,
   if (disabled_ || keys.empty()) return 0;
 
   std::vector<Entry*> matched;
+  const auto same_page = [&](std::size_t i, const Entry* e) {  // exact: the tokens, not the hash
+    return same_tokens(
+        e->tokens, prompt.subspan(i * static_cast<std::size_t>(B), static_cast<std::size_t>(B)));
+  };
   for (;;) {
     matched.clear();
-    std::uint64_t parent = find_root(chain_salt);  // 0: no page under this salt, a miss
-    for (std::size_t i = 0; parent != 0 && i < keys.size(); ++i) {
-      Entry* e = pages_.find(keys[i]);
-      const auto page =
-          prompt.subspan(i * static_cast<std::size_t>(B), static_cast<std::size_t>(B));
-      if (e == nullptr || !e->ready || e->parent_serial != parent ||
-          !same_tokens(e->tokens, page)) {
-        break;
-      }
-      matched.push_back(e);
-      parent = e->serial;
-    }
+    // Root 0 (no page under this salt) matches no entry: every serial is >= 1.
+    walk_cached(pages_, keys, keys.size(), find_root(chain_salt), matched, same_page);
     if (matched.size() < keys.size() || static_cast<std::int64_t>(keys.size()) >= max_pages) {
       break;
     }
@@ -370,59 +365,32 @@ std::int64_t HostPrefixCache::store(std::string_view request_id,
   t.is_store = true;
   t.open = true;
   std::vector<PageMove> moves;
-  std::vector<Entry*> chain;  // every page of the prompt's chain now in the index
-  std::vector<Entry*> held;   // existing pages pinned while the walk may evict
-  bool skipped = false;
   bool unpinned = false;  // stopped at a slot whose memory is not pinned yet
-  std::uint64_t parent = n_full > 0 ? intern_root(chain_salt) : 0;
-  for (std::int64_t i = 0; i < n_full; ++i) {
-    const auto page = tokens.subspan(static_cast<std::size_t>(i * B), static_cast<std::size_t>(B));
-    const Key& key = keys[static_cast<std::size_t>(i)];
-    Entry* e = pages_.find(key);
-    if (e != nullptr) {
-      const bool same = same_tokens(e->tokens, page);
-      if (same && e->parent_serial == parent) {
-        pages_.pin(e);
-        held.push_back(e);
-        chain.push_back(e);
-        parent = e->serial;
-        continue;
-      }
-      if (!same) {
-        ++stats_.collisions;  // another prefix owns this key: never overwrite it
-        skipped = true;
-        break;
-      }
-      if (e->refs != 0) {
-        skipped = true;
-        break;
-      }
-    }
-    // e, if any, is stale: stored under a parent that has since been evicted; it gives up its
-    // slot to the page re-stored here.
-    if (!admission_->admit(static_cast<std::size_t>(i), pages_.full() && e == nullptr)) {
-      stats_.pages_declined += n_full - i;
-      break;
-    }
-    if (e != nullptr) pages_.erase(e);
-    e = pages_.insert(key, next_serial_++, parent);
-    if (e == nullptr) {
-      skipped = true;
-      break;
-    }
-    std::byte* host = host_slot(*page_pool_, e->slot, unpinned);
-    if (host == nullptr) {
-      pages_.unpin(e);
-      pages_.erase(e);
-      skipped = true;
-      break;
-    }
-    e->tokens.assign(page.begin(), page.end());
-    moves.push_back({block_ids[static_cast<std::size_t>(i)], host});
-    t.pages.push_back(e);
-    chain.push_back(e);
-    parent = e->serial;
+  StoreWalk w;            // w.chain: every page of the prompt's chain now in the index
+  walk_store(
+      pages_, *admission_, next_serial_,
+      std::span<const Key>(keys).first(static_cast<std::size_t>(n_full)),
+      n_full > 0 ? intern_root(chain_salt) : 0, StaleKeys::kReplace, w,
+      [&](std::size_t i, const Entry* e) {
+        return same_tokens(e->tokens, tokens.subspan(i * static_cast<std::size_t>(B),
+                                                     static_cast<std::size_t>(B)));
+      },
+      [&](std::size_t i, Entry* e) {
+        std::byte* host = host_slot(*page_pool_, e->slot, unpinned);
+        if (host == nullptr) return false;
+        const auto page =
+            tokens.subspan(i * static_cast<std::size_t>(B), static_cast<std::size_t>(B));
+        e->tokens.assign(page.begin(), page.end());
+        moves.push_back({block_ids[i], host});
+        t.pages.push_back(e);
+        return true;
+      });
+  bool skipped = w.stop != StoreWalk::Stop::kEnd && w.stop != StoreWalk::Stop::kDeclined;
+  if (w.stop == StoreWalk::Stop::kCollision) ++stats_.collisions;  // another prefix owns the key
+  if (w.stop == StoreWalk::Stop::kDeclined) {
+    stats_.pages_declined += n_full - static_cast<std::int64_t>(w.stopped_at);
   }
+  const std::vector<Entry*>& chain = w.chain;
 
   const auto new_pages = static_cast<std::int64_t>(moves.size());
   if (!moves.empty()) {
@@ -435,13 +403,11 @@ std::int64_t HostPrefixCache::store(std::string_view request_id,
     }
     if (Transfer* r = register_transfer(std::move(t), stream, failed)) opened.push_back(r);
     if (failed) {
-      for (Entry* e : held) pages_.unpin(e);
       close(false);
       return 0;
     }
     note_success();
   }
-  for (Entry* e : held) pages_.unpin(e);
   pages_.touch_chain(chain);
   stats_.pages_stored += new_pages;
 

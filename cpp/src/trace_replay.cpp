@@ -7,6 +7,8 @@
 #include <stdexcept>
 #include <string>
 
+#include "hicache/chain_walk.hpp"
+
 namespace hicache {
 namespace {
 
@@ -52,8 +54,6 @@ Key replay_key(std::uint64_t block_id, std::uint32_t sub_page) {
 
 namespace {
 
-constexpr std::size_t kAhead = 8;  // keys whose table slots are prefetched ahead of a walk
-
 // One cache's index and admission with the rules of HostPrefixCache::try_resume and store.
 class ReplayCache {
  public:
@@ -61,61 +61,27 @@ class ReplayCache {
       : index_(capacity, eviction), policy_(make_admission_policy(admission, capacity)) {}
 
   // try_resume: the longest ready chain within `limit` pages; a hit touches it. Leaves the
-  // chain in chain_ for store().
+  // chain in walk_ for store().
   std::size_t lookup(std::span<const Key> keys, std::size_t limit) {
-    chain_.clear();
-    std::uint64_t parent = kRoot;
-    for (std::size_t i = 0; i < limit; ++i) {
-      if (i + kAhead < limit) index_.prefetch(keys[i + kAhead]);
-      Entry* e = index_.find(keys[i]);
-      if (e == nullptr || !e->ready || e->parent_serial != parent) break;
-      chain_.push_back(e);
-      parent = e->serial;
-    }
-    index_.touch_chain(chain_);
-    return chain_.size();
+    walk_.chain.clear();
+    const std::size_t hit = walk_cached(index_, keys, limit, kRoot, walk_.chain, trust);
+    index_.touch_chain(walk_.chain);
+    return hit;
   }
 
   // store: write-through of every page the admission policy admits. The pages the lookup just
-  // hit are found again by store's walk; nothing ran in between, so their entries are reused.
+  // hit are the walk's verified prefix; nothing ran in between, so their entries are reused.
   void store(std::span<const Key> keys, ReplayResult& res) {
     policy_->observe(keys);
-    const std::size_t n = keys.size(), hit = chain_.size();
-    held_.clear();
-    fresh_.clear();
-    std::uint64_t parent = hit > 0 ? chain_.back()->serial : kRoot;
-    for (std::size_t i = 0; i < hit; ++i) {
-      index_.pin(chain_[i]);
-      held_.push_back(chain_[i]);
+    walk_.fresh.clear();
+    walk_store(index_, *policy_, next_serial_, keys, kRoot, StaleKeys::kReplace, walk_, trust,
+               [](std::size_t, Entry*) { return true; });
+    index_.touch_chain(walk_.chain);
+    if (walk_.stop == StoreWalk::Stop::kDeclined) {
+      res.pages_declined += static_cast<std::int64_t>(keys.size() - walk_.stopped_at);
     }
-    for (std::size_t i = hit; i < n; ++i) {
-      if (i + kAhead < n) index_.prefetch(keys[i + kAhead]);
-      Entry* e = index_.find(keys[i]);
-      if (e != nullptr) {
-        if (e->parent_serial == parent) {
-          index_.pin(e);
-          held_.push_back(e);
-          chain_.push_back(e);
-          parent = e->serial;
-          continue;
-        }
-        if (e->refs != 0) break;
-      }
-      if (!policy_->admit(i, index_.full() && e == nullptr)) {
-        res.pages_declined += static_cast<std::int64_t>(n - i);
-        break;
-      }
-      if (e != nullptr) index_.erase(e);
-      e = index_.insert(keys[i], next_serial_++, parent);
-      if (e == nullptr) break;
-      fresh_.push_back(e);
-      chain_.push_back(e);
-      parent = e->serial;
-    }
-    for (Entry* e : held_) index_.unpin(e);
-    index_.touch_chain(chain_);
-    res.pages_stored += static_cast<std::int64_t>(fresh_.size());
-    for (Entry* e : fresh_) {  // the null copier's copy completed: retired by the next call
+    res.pages_stored += static_cast<std::int64_t>(walk_.fresh.size());
+    for (Entry* e : walk_.fresh) {  // the null copier's copy completed: retired by the next call
       e->ready = true;
       index_.unpin(e);
     }
@@ -124,11 +90,12 @@ class ReplayCache {
   std::int64_t evictions() const { return index_.evictions(); }
 
  private:
-  static constexpr std::uint64_t kRoot = 1;  // the one salt's chain root
+  static constexpr std::uint64_t kRoot = 1;                      // the one salt's chain root
+  static bool trust(std::size_t, const Entry*) { return true; }  // ids are the pages' identity
   PrefixIndex index_;
   std::unique_ptr<AdmissionPolicy> policy_;
   std::uint64_t next_serial_ = 2;
-  std::vector<Entry*> chain_, held_, fresh_;
+  StoreWalk walk_;
 };
 
 void request_keys(const ReplayTrace& t, std::size_t r, std::vector<Key>& keys) {
