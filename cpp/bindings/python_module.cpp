@@ -8,9 +8,11 @@
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/pair.h>
+#include <nanobind/stl/shared_ptr.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/string_view.h>
 #include <nanobind/stl/vector.h>
+#include <nanobind/trampoline.h>
 
 #include <cstdint>
 #include <cstring>
@@ -109,6 +111,17 @@ struct PyCache {
   std::vector<nb::ndarray<>> segments;
   std::shared_ptr<hicache::DeferredCopier> deferred;
   std::unique_ptr<hicache::HostPrefixCache> cache;
+
+  PyCache() = default;
+  PyCache(PyCache&&) = default;
+  // The cache's tier thread may be waiting for the GIL (a Tier written in Python): destroy the
+  // cache, which joins that thread, without holding it.
+  ~PyCache() {
+    if (cache) {
+      nb::gil_scoped_release release;
+      cache.reset();
+    }
+  }
 };
 
 PyCache make_cache(std::vector<nb::ndarray<>> segments, std::int64_t block_tokens,
@@ -117,7 +130,8 @@ PyCache make_cache(std::vector<nb::ndarray<>> segments, std::int64_t block_token
                    std::int64_t state_lookback, nb::bytes salt, std::int64_t error_limit,
                    int key_bits, std::size_t pool_chunk_bytes, const std::string& copier,
                    int cuda_blocks, std::size_t cuda_staging_bytes, const std::string& cuda_path,
-                   bool pin_upfront, const std::string& eviction, const std::string& admission) {
+                   bool pin_upfront, const std::string& eviction, const std::string& admission,
+                   std::shared_ptr<hicache::Tier> tier, hicache::TierOptions tier_options) {
   PyCache out;
   auto [segs, device] = segments_of(segments);
   hicache::CacheConfig c;
@@ -134,6 +148,7 @@ PyCache make_cache(std::vector<nb::ndarray<>> segments, std::int64_t block_token
   c.pin_upfront = pin_upfront;
   c.eviction = parse_eviction(eviction);
   c.admission = hicache::parse_admission(admission);
+  c.tier = std::move(tier_options);
   hicache::CudaCopierOptions cuda_options;
   cuda_options.max_blocks = cuda_blocks;
   cuda_options.staging_bytes = cuda_staging_bytes;
@@ -171,7 +186,8 @@ PyCache make_cache(std::vector<nb::ndarray<>> segments, std::int64_t block_token
     throw std::invalid_argument(
         "copier must be 'auto', 'cpu', 'cuda', 'deferred' or 'null', not '" + copier + "'");
   }
-  out.cache = std::make_unique<hicache::HostPrefixCache>(std::move(segs), device, c, chosen);
+  out.cache = std::make_unique<hicache::HostPrefixCache>(std::move(segs), device, c, chosen,
+                                                         std::move(tier));
   out.segments = std::move(segments);
   return out;
 }
@@ -181,6 +197,66 @@ hicache::EvictionPolicy parse_eviction(const std::string& eviction) {
   if (eviction == "leaf-first") return hicache::EvictionPolicy::kLeafFirst;
   throw std::invalid_argument("eviction must be 'leaf-first' or 'lru', not '" + eviction + "'");
 }
+
+// A Tier written in Python (hicache.Tier subclasses, e.g. the Mooncake Store backend). Called
+// from hicache's tier thread and from engine threads without the GIL: each call takes it.
+// Buffers cross as addresses (ints); the Python side reads and writes them in place.
+struct PyTier final : hicache::Tier {
+  NB_TRAMPOLINE(hicache::Tier);
+
+  template <class... Args>
+  nb::object call(const char* name, std::uint64_t hash, Args&&... args) const {
+    nb::detail::ticket t(nb_trampoline, name, hash, true);
+    return nb_trampoline.base().attr(t.key)(std::forward<Args>(args)...);
+  }
+  std::string name() const override {
+    nb::gil_scoped_acquire g;
+    return nb::cast<std::string>(call("name", nb::detail::str_hash("name")));
+  }
+  std::int64_t put(std::span<const std::string> names, std::span<const std::byte* const> values,
+                   std::span<const std::size_t> sizes) override {
+    nb::gil_scoped_acquire g;
+    std::vector<std::uintptr_t> addrs;
+    for (const std::byte* v : values) addrs.push_back(reinterpret_cast<std::uintptr_t>(v));
+    return nb::cast<std::int64_t>(call("put", nb::detail::str_hash("put"),
+                                       std::vector<std::string>(names.begin(), names.end()), addrs,
+                                       std::vector<std::size_t>(sizes.begin(), sizes.end())));
+  }
+  std::int64_t get(std::span<const std::string> names, std::span<std::byte* const> dests,
+                   std::size_t capacity) override {
+    nb::gil_scoped_acquire g;
+    std::vector<std::uintptr_t> addrs;
+    for (std::byte* d : dests) addrs.push_back(reinterpret_cast<std::uintptr_t>(d));
+    return nb::cast<std::int64_t>(call("get", nb::detail::str_hash("get"),
+                                       std::vector<std::string>(names.begin(), names.end()), addrs,
+                                       capacity));
+  }
+  std::int64_t exists(std::span<const std::string> names) override {
+    nb::gil_scoped_acquire g;
+    return nb::cast<std::int64_t>(call("exists", nb::detail::str_hash("exists"),
+                                       std::vector<std::string>(names.begin(), names.end())));
+  }
+  std::optional<std::vector<std::int64_t>> poll(std::int64_t batch) override {
+    nb::gil_scoped_acquire g;
+    return nb::cast<std::optional<std::vector<std::int64_t>>>(
+        call("poll", nb::detail::str_hash("poll"), batch));
+  }
+  void use_buffers(std::span<std::byte> puts, std::span<std::byte> gets) override {
+    nb::gil_scoped_acquire g;
+    nb::detail::ticket t(nb_trampoline, "use_buffers", nb::detail::str_hash("use_buffers"), false);
+    if (!t.key.is_valid()) return;  // optional in Python
+    nb_trampoline.base().attr(t.key)(reinterpret_cast<std::uintptr_t>(puts.data()), puts.size(),
+                                     reinterpret_cast<std::uintptr_t>(gets.data()), gets.size());
+  }
+  void release_buffers(std::span<std::byte> puts, std::span<std::byte> gets) override {
+    nb::gil_scoped_acquire g;
+    nb::detail::ticket t(nb_trampoline, "release_buffers", nb::detail::str_hash("release_buffers"),
+                         false);
+    if (!t.key.is_valid()) return;
+    nb_trampoline.base().attr(t.key)(reinterpret_cast<std::uintptr_t>(puts.data()), puts.size(),
+                                     reinterpret_cast<std::uintptr_t>(gets.data()), gets.size());
+  }
+};
 
 using U64s = nb::ndarray<const std::uint64_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
 using U32s = nb::ndarray<const std::uint32_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
@@ -532,6 +608,60 @@ NB_MODULE(_core, m) {
       .def_prop_ro("num_slots", [](const PyMover& self) { return self.mover->num_slots(); })
       .def_prop_ro("copy_path", [](const PyMover& self) { return self.mover->copy_path(); });
 
+  nb::class_<hicache::Tier, PyTier>(m, "Tier",
+                                    "A store shared by caches on several hosts (subclass it: "
+                                    "name, put, get, exists, poll; optionally use_buffers)")
+      .def(nb::init<>())
+      .def("name", &hicache::Tier::name)
+      .def(
+          "exists",
+          [](hicache::Tier& t, std::vector<std::string> names) { return t.exists(names); },
+          "names"_a)
+      .def("poll", &hicache::Tier::poll, "batch"_a)
+      .def(
+          "use_buffers",
+          [](hicache::Tier&, std::uintptr_t, std::size_t, std::uintptr_t, std::size_t) {}, "puts"_a,
+          "put_bytes"_a, "gets"_a, "get_bytes"_a,
+          "The buffers every value passes through, for the cache's life (register them for "
+          "zero-copy transfers); does nothing unless overridden.")
+      .def(
+          "release_buffers",
+          [](hicache::Tier&, std::uintptr_t, std::size_t, std::uintptr_t, std::size_t) {}, "puts"_a,
+          "put_bytes"_a, "gets"_a, "get_bytes"_a,
+          "The cache is done with the buffers use_buffers named (unregister them).");
+  m.attr("TIER_MISSING") = hicache::Tier::kMissing;
+  m.attr("TIER_FAILED") = hicache::Tier::kFailed;
+
+  nb::class_<hicache::MemoryTier, hicache::Tier>(m, "MemoryTier",
+                                                 "A Tier in this process's memory (tests)")
+      .def(nb::init<>())
+      .def("__len__", &hicache::MemoryTier::size)
+      .def("names", &hicache::MemoryTier::names)
+      .def("erase", &hicache::MemoryTier::erase, "name"_a)
+      .def(
+          "truncate",
+          [](hicache::MemoryTier& t, const std::string& name, std::size_t bytes) {
+            return t.edit(name,
+                          [&](std::vector<std::byte>& v) { v.resize(std::min(v.size(), bytes)); });
+          },
+          "name"_a, "bytes"_a)
+      .def(
+          "value",
+          [](hicache::MemoryTier& t, const std::string& name) {
+            std::vector<std::byte> out;
+            t.edit(name, [&](std::vector<std::byte>& v) { out = v; });
+            return nb::bytes(reinterpret_cast<const char*>(out.data()), out.size());
+          },
+          "name"_a)
+      .def(
+          "set_value",
+          [](hicache::MemoryTier& t, const std::string& name, nb::bytes value) {
+            const auto* p = static_cast<const std::byte*>(value.data());
+            return t.edit(name, [&](std::vector<std::byte>& v) { v.assign(p, p + value.size()); });
+          },
+          "name"_a, "value"_a)
+      .def("fail_next", &hicache::MemoryTier::fail_next, "batches"_a);
+
   nb::class_<hicache::CacheStats>(m, "CacheStats")
       .def_ro("lookups", &hicache::CacheStats::lookups)
       .def_ro("lookup_tokens", &hicache::CacheStats::lookup_tokens)
@@ -565,6 +695,15 @@ NB_MODULE(_core, m) {
                    [](const hicache::CacheStats& s) { return histogram_dict(s.load_latency); })
       .def_prop_ro("store_latency",
                    [](const hicache::CacheStats& s) { return histogram_dict(s.store_latency); })
+      .def_ro("tier_pages_written", &hicache::CacheStats::tier_pages_written)
+      .def_ro("tier_pages_dropped", &hicache::CacheStats::tier_pages_dropped)
+      .def_ro("tier_pages_fetched", &hicache::CacheStats::tier_pages_fetched)
+      .def_ro("tier_hit_tokens", &hicache::CacheStats::tier_hit_tokens)
+      .def_ro("tier_pages_missing", &hicache::CacheStats::tier_pages_missing)
+      .def_ro("tier_pages_rejected", &hicache::CacheStats::tier_pages_rejected)
+      .def_ro("tier_fetches_late", &hicache::CacheStats::tier_fetches_late)
+      .def_ro("tier_errors", &hicache::CacheStats::tier_errors)
+      .def_ro("tier_last_error", &hicache::CacheStats::tier_last_error)
       .def_ro("errors", &hicache::CacheStats::errors)
       .def_ro("disabled", &hicache::CacheStats::disabled)
       .def_ro("disabled_reason", &hicache::CacheStats::disabled_reason)
@@ -581,17 +720,26 @@ NB_MODULE(_core, m) {
              std::int64_t state_lookback, nb::bytes salt, std::int64_t error_limit, int key_bits,
              std::size_t pool_chunk_bytes, const std::string& copier, int cuda_blocks,
              std::size_t cuda_staging_bytes, const std::string& cuda_path, bool pin_upfront,
-             const std::string& eviction, const std::string& admission) {
-            new (self) PyCache(make_cache(std::move(segments), block_tokens, capacity_pages,
-                                          keep_tokens, std::move(state_parts), capacity_states,
-                                          state_lookback, salt, error_limit, key_bits,
-                                          pool_chunk_bytes, copier, cuda_blocks, cuda_staging_bytes,
-                                          cuda_path, pin_upfront, eviction, admission));
+             const std::string& eviction, const std::string& admission,
+             std::shared_ptr<hicache::Tier> tier, std::int64_t tier_wait_us,
+             std::int64_t tier_queue_pages, std::int64_t tier_buffer_bytes,
+             std::string tier_space) {
+            hicache::TierOptions tier_options;
+            tier_options.wait_us = tier_wait_us;
+            tier_options.queue_pages = tier_queue_pages;
+            tier_options.buffer_bytes = tier_buffer_bytes;
+            tier_options.space = std::move(tier_space);
+            new (self) PyCache(make_cache(
+                std::move(segments), block_tokens, capacity_pages, keep_tokens,
+                std::move(state_parts), capacity_states, state_lookback, salt, error_limit,
+                key_bits, pool_chunk_bytes, copier, cuda_blocks, cuda_staging_bytes, cuda_path,
+                pin_upfront, eviction, admission, std::move(tier), std::move(tier_options)));
           },
           "segments"_a, "block_tokens"_a, "capacity_pages"_a, "keep_tokens"_a, "state_parts"_a,
           "capacity_states"_a, "state_lookback"_a, "salt"_a, "error_limit"_a, "key_bits"_a,
           "pool_chunk_bytes"_a, "copier"_a, "cuda_blocks"_a, "cuda_staging_bytes"_a, "cuda_path"_a,
-          "pin_upfront"_a, "eviction"_a, "admission"_a)
+          "pin_upfront"_a, "eviction"_a, "admission"_a, "tier"_a.none(), "tier_wait_us"_a,
+          "tier_queue_pages"_a, "tier_buffer_bytes"_a, "tier_space"_a)
       .def("try_resume", &try_resume, "request_id"_a, "prompt"_a.noconvert(), "allocate"_a,
            "stream"_a, "state_out"_a.none(), "salt"_a.none())
       .def("store", &store, "request_id"_a, "tokens"_a.noconvert(), "block_ids"_a.noconvert(),
@@ -603,6 +751,9 @@ NB_MODULE(_core, m) {
           "forget", [](PyCache& self, std::string_view id) { self.cache->forget(id); },
           "request_id"_a, nb::call_guard<nb::gil_scoped_release>())
       .def("stats", [](const PyCache& self) { return self.cache->stats(); })
+      .def(
+          "flush_tier", [](PyCache& self) { self.cache->flush_tier(); },
+          nb::call_guard<nb::gil_scoped_release>())
       .def(
           "complete_transfers",
           [](PyCache& self, std::optional<std::uintptr_t> stream) -> std::size_t {

@@ -45,6 +45,7 @@ void CacheConfig::validate() const {
   }
   require(key_bits >= 1 && key_bits <= 128, "key_bits", "in [1, 128]", key_bits);
   require(error_limit >= 1, "error_limit", ">= 1", error_limit);
+  tier.validate();
   require(pool_chunk_bytes >= 1, "pool_chunk_bytes", ">= 1",
           static_cast<std::int64_t>(pool_chunk_bytes));
 }

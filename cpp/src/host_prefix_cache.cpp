@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <cstring>
 #include <stdexcept>
 #include <string>
 
@@ -10,6 +11,8 @@
 #include "hicache/cuda_copier.hpp"
 #include "hicache/error.hpp"
 #include "hicache/hash_chain.hpp"
+#include "hicache/tier_record.hpp"
+#include "tier_link.hpp"
 
 namespace hicache {
 namespace {
@@ -38,7 +41,7 @@ bool same_tokens(const std::vector<std::int32_t>& a, std::span<const std::int32_
 }  // namespace
 
 HostPrefixCache::HostPrefixCache(std::vector<Segment> segments, Device device, CacheConfig config,
-                                 std::shared_ptr<Copier> copier)
+                                 std::shared_ptr<Copier> copier, std::shared_ptr<Tier> tier)
     : layout_(std::move(segments), device),
       config_(config.normalized()),
       state_parts_(config_.state_part_bytes()),
@@ -63,9 +66,27 @@ HostPrefixCache::HostPrefixCache(std::vector<Segment> segments, Device device, C
                                              config_.capacity_states, config_.pool_chunk_bytes,
                                              alloc, growth);
   }
+  if (tier) {
+    admit_all_ = make_admission_policy(Admission::kAlways, config_.capacity_pages);
+    link_ = std::make_unique<TierLink>(
+        std::move(tier), config_.tier,
+        tier_space(config_.tier.space, layout_, config_.block_tokens, config_.key_bits),
+        layout_.page_bytes(), config_.block_tokens,
+        [this](const std::vector<Entry*>& entries) {
+          std::lock_guard<std::mutex> g(mu_);
+          for (Entry* e : entries) pages_.unpin(e);
+        },
+        [this](const TierLink::FetchJob& job, std::size_t from,
+               std::span<const std::span<const std::byte>> pages) {
+          std::lock_guard<std::mutex> g(mu_);
+          return static_cast<std::size_t>(
+              adopt_fetched(job.keys, job.prompt, job.salt, from, pages));
+        });
+  }
 }
 
 HostPrefixCache::~HostPrefixCache() {
+  link_.reset();  // writes what is queued; its callbacks take the lock below
   std::lock_guard<std::mutex> g(mu_);
   // Host slots must outlive every copy that reads or writes them.
   for (Transfer& t : transfers_) {
@@ -148,6 +169,7 @@ void HostPrefixCache::finish(Transfer& t) {
   };
   settle(pages_, t.pages);
   settle(states_, t.states);
+  if (link_ && t.is_store && !t.discard && !t.pages.empty()) write_to_tier(t);
   if (!t.discard) {
     const std::chrono::duration<double, std::micro> took =
         std::chrono::steady_clock::now() - t.started;
@@ -155,6 +177,54 @@ void HostPrefixCache::finish(Transfer& t) {
   }
   auto r = requests_.find(t.request);
   if (r != requests_.end()) --r->second;
+}
+
+void HostPrefixCache::write_to_tier(Transfer& t) {
+  std::vector<TierLink::PutPage> puts;
+  puts.reserve(t.pages.size());
+  for (std::size_t j = 0; j < t.pages.size(); ++j) {
+    Entry* e = t.pages[j];
+    pages_.pin(e);  // until its bytes are copied out
+    puts.push_back({e, e->key, t.parents[j], e->tokens, page_pool_->slot(e->slot)});
+  }
+  if (!link_->offer(puts)) {
+    for (Entry* e : t.pages) pages_.unpin(e);
+  }
+}
+
+std::int64_t HostPrefixCache::adopt_fetched(std::span<const Key> keys,
+                                            std::span<const std::int32_t> prompt,
+                                            std::string_view salt, std::size_t from,
+                                            std::span<const std::span<const std::byte>> pages) {
+  const auto B = static_cast<std::size_t>(config_.block_tokens);
+  const auto tokens_of = [&](std::size_t i) { return prompt.subspan(i * B, B); };
+  const std::uint64_t root = intern_root(salt);
+  StoreWalk w;
+  walk_cached(pages_, keys, from, root, w.chain,
+              [&](std::size_t i, const Entry* e) { return same_tokens(e->tokens, tokens_of(i)); });
+  if (w.chain.size() < from) return 0;  // the pages before them were evicted meanwhile
+  bool unpinned = false;
+  const std::size_t before = w.chain.size();
+  walk_store(
+      pages_, *admit_all_, next_serial_, keys.first(from + pages.size()), root, StaleKeys::kReplace,
+      w, [&](std::size_t i, const Entry* e) { return same_tokens(e->tokens, tokens_of(i)); },
+      [&](std::size_t i, Entry* e) {
+        std::byte* host = host_slot(*page_pool_, e->slot, unpinned);
+        if (host == nullptr) return false;
+        const std::span<const std::byte> page = pages[i - from];
+        std::memcpy(host, page.data(), page.size());
+        const auto toks = tokens_of(i);
+        e->tokens.assign(toks.begin(), toks.end());
+        return true;
+      });
+  for (Entry* e : w.fresh) {  // copied by this thread: complete now
+    e->ready = true;
+    pages_.unpin(e);
+  }
+  pages_.touch_chain(w.chain);
+  stats_.tier_pages_fetched += static_cast<std::int64_t>(w.fresh.size());
+  // Pages now in host memory, whether fetched or stored meanwhile by another request.
+  return static_cast<std::int64_t>(w.chain.size() - before);
 }
 
 std::int64_t HostPrefixCache::retire_completed() {
@@ -237,6 +307,38 @@ std::int64_t HostPrefixCache::try_resume(std::string_view request_id,
     lock.lock();
     if (disabled_) return 0;
   }
+  // A host miss before the cap: the rest of the prefix may be in the shared tier. Fetched pages
+  // enter host memory like stored ones, then the walk runs again and serves them.
+  std::size_t from_tier = matched.size();  // pages before this one came from host memory
+  if (link_ && !has_state && static_cast<std::int64_t>(matched.size()) < max_pages) {
+    if (config_.tier.wait_us == 0) {
+      // Prefetch: serve what host memory has now; the next prompt finds the rest here.
+      link_->prefetch({{prompt.begin(), prompt.end()},
+                       std::string(chain_salt),
+                       from_tier,
+                       max_pages,
+                       config_.key_bits,
+                       {}});
+    } else {
+      lock.unlock();
+      extend_chain_keys(keys, chain_salt, prompt, B, max_pages, config_.key_bits);
+      const auto deadline =
+          TierLink::Clock::now() + std::chrono::microseconds(config_.tier.wait_us);
+      {
+        TierLink::Fetch fetch = link_->fetch(keys, prompt, chain_salt, from_tier, deadline);
+        for (TierLink::Run run = fetch.next(); !run.pages.empty(); run = fetch.next()) {
+          lock.lock();
+          const std::int64_t adopted = adopt_fetched(keys, prompt, chain_salt, run.from, run.pages);
+          lock.unlock();
+          if (adopted < static_cast<std::int64_t>(run.pages.size()) || !run.complete) break;
+        }
+      }
+      lock.lock();
+      if (disabled_) return 0;
+      matched.clear();  // the lock was released: walk again
+      walk_cached(pages_, keys, keys.size(), find_root(chain_salt), matched, same_page);
+    }
+  }
   Entry* state = nullptr;
   std::size_t h = matched.size();
   if (has_state) {
@@ -317,6 +419,7 @@ std::int64_t HostPrefixCache::try_resume(std::string_view request_id,
   if (state) states_.touch(state);
   ++stats_.hits;
   stats_.hit_tokens += tokens;
+  if (h > from_tier) stats_.tier_hit_tokens += static_cast<std::int64_t>(h - from_tier) * B;
   stats_.pages_loaded += static_cast<std::int64_t>(h);
   stats_.states_loaded += state ? 1 : 0;
   return tokens;
@@ -383,6 +486,7 @@ std::int64_t HostPrefixCache::store(std::string_view request_id,
         e->tokens.assign(page.begin(), page.end());
         moves.push_back({block_ids[i], host});
         t.pages.push_back(e);
+        if (link_) t.parents.push_back(i == 0 ? tier_salt_digest(chain_salt) : keys[i - 1]);
         return true;
       });
   bool skipped = w.stop != StoreWalk::Stop::kEnd && w.stop != StoreWalk::Stop::kDeclined;
@@ -540,7 +644,13 @@ CacheStats HostPrefixCache::stats() const {
   s.requests = static_cast<std::int64_t>(requests_.size());
   s.salts = static_cast<std::int64_t>(roots_.size());
   s.admitting_second_sightings_only = admission_->wants_second_sighting();
+  if (link_) link_->add_stats(s);
   return s;
+}
+
+void HostPrefixCache::flush_tier() {
+  poll();  // completed stores queue their pages
+  if (link_) link_->drain();
 }
 
 std::vector<Key> HostPrefixCache::page_lru_order() const {

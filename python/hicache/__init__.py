@@ -1,6 +1,6 @@
 """hicache: a host-memory KV prefix cache for LLM inference engines."""
 
-from ._core import CacheError, CacheStats, UnknownRequestError, cuda_available
+from ._core import CacheError, CacheStats, MemoryTier, Tier, UnknownRequestError, cuda_available
 from .cache import HostPrefixCache
 from .hash_chain import chain_keys
 
@@ -10,6 +10,8 @@ __all__ = [
     "CacheError",
     "CacheStats",
     "HostPrefixCache",
+    "MemoryTier",
+    "Tier",
     "UnknownRequestError",
     "__version__",
     "chain_keys",

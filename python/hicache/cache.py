@@ -7,7 +7,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 from . import _arrays
-from ._core import CacheStats
+from ._core import CacheStats, Tier
 from ._core import HostPrefixCache as _CoreCache
 
 _data_ptr = operator.methodcaller("data_ptr")
@@ -67,6 +67,18 @@ class HostPrefixCache:
             host memory runs short; stores that outrun the pinning are skipped and counted in
             ``store_skips_unpinned``). True: pin the whole pool now (about 13 GB/s on an H200
             host).
+        tier: a store shared with caches of other processes and hosts (a :class:`hicache.Tier`:
+            :class:`hicache.mooncake.MooncakeTier`, or :class:`hicache.MemoryTier` in tests).
+            Pages this cache stores are written to it in the background; a prompt that misses
+            in host memory fetches the rest of its prefix from it, checked as exactly as a host
+            page (tokens, parent, salt, model, checksum), into host memory. Pages only: a cache
+            with ``state_bytes`` does not fetch.
+        tier_wait_ms: how long a host miss waits for the tier (then serves what arrived).
+            0: never wait; fetch in the background, for the next prompt (prefetch).
+        tier_queue_pages: pages waiting to be written to the tier; beyond that, stores are not
+            written there (counted in ``tier_pages_dropped``).
+        tier_space: names this model (and its version, quantization, tensor-parallel rank) in
+            the tier, so caches of other models sharing the store never read its pages.
         key_bits: tests only; fewer than 128 bits force hash collisions.
 
     Raises:
@@ -96,6 +108,10 @@ class HostPrefixCache:
         pin_upfront: bool = False,
         eviction: Eviction = "leaf-first",
         admission: Admission = "adaptive",
+        tier: Tier | None = None,
+        tier_wait_ms: float = 20.0,
+        tier_queue_pages: int = 4096,
+        tier_space: str = "default",
         key_bits: int = 128,
     ) -> None:
         if segments is None or isinstance(segments, (str, bytes)):
@@ -132,6 +148,21 @@ class HostPrefixCache:
         admission = _arrays.choice_arg(  # type: ignore[assignment]
             "admission", admission, ("adaptive", "second-sighting", "always")
         )
+        if tier is not None and not isinstance(tier, Tier):
+            raise TypeError(
+                f"tier must be a hicache.Tier (e.g. hicache.mooncake.MooncakeTier), not {_arrays.show(tier)}"
+            )
+        if (
+            isinstance(tier_wait_ms, bool)
+            or not isinstance(tier_wait_ms, (int, float))
+            or not 0 <= tier_wait_ms <= 3.6e6
+        ):
+            raise ValueError(
+                f"tier_wait_ms must be a number of milliseconds in [0, 3600000], not {tier_wait_ms!r}"
+            )
+        tier_queue_pages = _arrays.int_arg("tier_queue_pages", tier_queue_pages, 0, i64)
+        if not isinstance(tier_space, str) or not tier_space:
+            raise ValueError(f"tier_space must be a non-empty string, not {tier_space!r}")
         salt_bytes = _arrays.as_salt(salt)
         if salt_bytes is None:
             raise TypeError("salt must be bytes or str, not None")
@@ -168,6 +199,11 @@ class HostPrefixCache:
             pin_upfront,
             eviction,
             admission,
+            tier,
+            round(tier_wait_ms * 1000),
+            tier_queue_pages,
+            64 << 20,
+            tier_space,
         )
         self.block_tokens = block_tokens
         self.state_parts = state_parts
@@ -271,6 +307,10 @@ class HostPrefixCache:
 
         self._check_segments()
         return self._core.store(rid, toks, blocks, handle, export, chain_salt)
+
+    def flush_tier(self) -> None:
+        """Wait until every page queued for the tier was written (tests; shutdown does it)."""
+        self._core.flush_tier()
 
     def poll(self) -> int:
         """Retire completed transfers (non-blocking). Returns how many were retired."""

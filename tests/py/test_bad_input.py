@@ -134,7 +134,9 @@ def test_a_state_in_several_tensors_is_checked_part_by_part() -> None:
     ]:
         with pytest.raises(err, match=match):
             hicache.HostPrefixCache(seg, block_tokens=B, capacity_pages=8, state_bytes=bad, capacity_states=2)
-    cache = hicache.HostPrefixCache(seg, block_tokens=B, capacity_pages=8, state_bytes=[8, 4], capacity_states=2)
+    cache = hicache.HostPrefixCache(
+        seg, block_tokens=B, capacity_pages=8, state_bytes=[8, 4], capacity_states=2
+    )
     assert cache.state_bytes == 12
     a, b = torch.full((2,), 3.0), torch.full((2,), 7, dtype=torch.int16)  # float32 and int16 parts
     with pytest.raises(ValueError, match="state_out must be 2 parts of"):

@@ -8,6 +8,7 @@
 
 #include "hicache/admission_policy.hpp"
 #include "hicache/prefix_index.hpp"
+#include "hicache/tier.hpp"
 
 namespace hicache {
 
@@ -50,6 +51,8 @@ struct CacheConfig {
   /// counted in store_skips_unpinned). true pins the whole pool at construction (13 GB/s
   /// measured on an H200 host). CPU pools always grow on demand.
   bool pin_upfront = false;
+  /// How a shared tier given to the cache is used (ignored without one).
+  TierOptions tier;
 
   /// @throws std::invalid_argument naming the first bad field.
   void validate() const;

@@ -69,6 +69,18 @@ struct CacheStats {
   /// so they include how often the engine polls; discarded stores are not counted.
   LatencyHistogram load_latency;
   LatencyHistogram store_latency;
+  // shared tier (a Tier given to the cache; all zero without one)
+  std::int64_t tier_pages_written = 0;  ///< pages the tier confirmed
+  std::int64_t tier_pages_dropped = 0;  ///< not written: the write queue was full
+  std::int64_t tier_pages_fetched = 0;  ///< pages fetched, checked and put in host memory
+  std::int64_t tier_hit_tokens = 0;     ///< tokens served that came from the tier
+  std::int64_t tier_pages_missing = 0;  ///< pages asked for that the tier did not have
+  /// values fetched that were not exactly the page asked for (truncated, stale, another
+  /// model's, overwritten): misses, never served
+  std::int64_t tier_pages_rejected = 0;
+  std::int64_t tier_fetches_late = 0;  ///< fetches cut short by their deadline
+  std::int64_t tier_errors = 0;  ///< failed tier calls (connection, server); the cache goes on
+  std::string tier_last_error;
   // health
   std::int64_t errors = 0;
   bool disabled = false;

@@ -26,8 +26,11 @@
 #include "hicache/page_layout.hpp"
 #include "hicache/prefix_index.hpp"
 #include "hicache/state_buffers.hpp"
+#include "hicache/tier.hpp"
 
 namespace hicache {
+
+class TierLink;
 
 class HostPrefixCache {
  public:
@@ -42,10 +45,13 @@ class HostPrefixCache {
 
   /// @param segments the engine's KV tensors (see page_layout.hpp), all on `device`.
   /// @param copier nullptr picks the CPU copier for CPU segments.
+  /// @param tier a store shared with other caches (see tier.hpp; CacheConfig::tier says how it
+  ///        is used): pages this cache stores are written to it, and a host miss fetches the
+  ///        rest of the prefix from it. Pages only: a cache with states does not fetch.
   /// @throws std::invalid_argument for a bad layout or config, or segments the copier cannot
   ///         reach. Allocates no host memory: pools are allocated at the first store.
   HostPrefixCache(std::vector<Segment> segments, Device device, CacheConfig config,
-                  std::shared_ptr<Copier> copier = nullptr);
+                  std::shared_ptr<Copier> copier = nullptr, std::shared_ptr<Tier> tier = nullptr);
   /// Waits for transfers still in flight, then frees the host pools.
   ~HostPrefixCache();
   HostPrefixCache(const HostPrefixCache&) = delete;
@@ -103,6 +109,8 @@ class HostPrefixCache {
 
   /// Tests: keys of cached pages, least recently used first.
   std::vector<Key> page_lru_order() const;
+  /// Waits until every page queued for the tier was written (tests; shutdown does it too).
+  void flush_tier();
 
  private:
   struct Transfer {
@@ -114,10 +122,18 @@ class HostPrefixCache {
     std::unique_ptr<Fence> fence;
     std::vector<Entry*> pages;
     std::vector<Entry*> states;
+    std::vector<Key> parents;  // with a tier: each stored page's parent key (salt digest first)
   };
 
   std::int64_t retire_completed();
   void finish(Transfer& t);
+  // With a tier: queues a completed store's pages for writing (pinned until copied out).
+  void write_to_tier(Transfer& t);
+  // Puts pages fetched from the tier for keys[from..] into host memory, linked to the chain the
+  // prompt has cached before them. @return pages put there. Lock held.
+  std::int64_t adopt_fetched(std::span<const Key> keys, std::span<const std::int32_t> prompt,
+                             std::string_view salt, std::size_t from,
+                             std::span<const std::span<const std::byte>> pages);
   // The serial of salt's chain root, created if needed (stores only).
   std::uint64_t intern_root(std::string_view salt);
   // 0 if no root exists for salt: lookups never create one, so a miss costs no memory.
@@ -162,6 +178,8 @@ class HostPrefixCache {
   std::int64_t consecutive_errors_ = 0;
   bool disabled_ = false;
   CacheStats stats_;
+  std::unique_ptr<AdmissionPolicy> admit_all_;  // pages fetched from the tier are being used
+  std::unique_ptr<TierLink> link_;              // last: stopped first, while the pools still exist
 };
 
 }  // namespace hicache

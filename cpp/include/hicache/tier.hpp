@@ -1,0 +1,75 @@
+#pragma once
+// Tier: a store behind the host pool that several engine processes, on several hosts, share
+// (Mooncake Store; an in-memory one for tests). hicache writes pages it has stored to the tier
+// and, when a prompt misses in host memory, fetches the rest of its prefix from the tier into
+// host slots before it loads them like any host page.
+//
+// A backend moves opaque values by name, in batches, asynchronously: each call starts a batch
+// and returns its id; poll() reports its results once it completed, as a copier's fence does.
+// Backends may be C++ or Python (the nanobind module has a trampoline), and are called from
+// hicache's tier thread and from the engine's threads, never two calls at once.
+//
+// What hicache puts in a value is a record (tier_record.hpp) that lets the reader check the
+// page as exactly as a host page: a missing, stale, truncated or foreign value is a miss.
+
+#include <cstddef>
+#include <cstdint>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+namespace hicache {
+
+class Tier {
+ public:
+  /// Per-name results below zero.
+  static constexpr std::int64_t kMissing = -1;  ///< no such value (get), or put refused
+  static constexpr std::int64_t kFailed = -2;   ///< the backend failed (connection, server)
+
+  virtual ~Tier() = default;
+  virtual std::string name() const = 0;
+
+  /// Starts writing values[i] (sizes[i] bytes, readable until the batch completed) under
+  /// names[i]. Results: bytes written, or below zero.
+  virtual std::int64_t put(std::span<const std::string> names,
+                           std::span<const std::byte* const> values,
+                           std::span<const std::size_t> sizes) = 0;
+  /// Starts reading names[i] into dests[i] (`capacity` bytes each, writable until the batch
+  /// completed). Results: bytes read (a value larger than `capacity` is a failure), or below
+  /// zero.
+  virtual std::int64_t get(std::span<const std::string> names, std::span<std::byte* const> dests,
+                           std::size_t capacity) = 0;
+  /// Starts checking which names exist. Results: 1 or 0, or below zero.
+  virtual std::int64_t exists(std::span<const std::string> names) = 0;
+  /// The batch's results (one per name) once it completed, after which the id is forgotten;
+  /// nullopt while it runs. Non-blocking.
+  virtual std::optional<std::vector<std::int64_t>> poll(std::int64_t batch) = 0;
+  /// Called once, before any put or get: the two buffers every value hicache puts is read from
+  /// and every value it gets is written to, for the cache's life. A backend that moves data
+  /// without copies (Mooncake Store's batch_put_from / batch_get_into) registers them here.
+  virtual void use_buffers(std::span<std::byte> /*puts*/, std::span<std::byte> /*gets*/) {}
+  /// Called once when the cache is done with them (no batch uses them any more): unregister.
+  virtual void release_buffers(std::span<std::byte> /*puts*/, std::span<std::byte> /*gets*/) {}
+};
+
+/// When pages reach the tier and how a host miss uses it (CacheConfig::tier).
+struct TierOptions {
+  /// A host miss asks the tier for the rest of the prefix and waits at most this long for it
+  /// (then serves what host memory had). 0: never waits; the fetch runs in the background and
+  /// the pages serve the next prompt that needs them (prefetch).
+  std::int64_t wait_us = 20000;
+  /// Pages waiting to be written to the tier; a store beyond that is dropped (counted).
+  std::int64_t queue_pages = 4096;
+  /// Bytes of each of the two buffers values go through (use_buffers): a put or a get moves at
+  /// most this much at a time (at least one page).
+  std::int64_t buffer_bytes = std::int64_t{64} << 20;
+  /// Names the model and its KV format in every value's name and record, so caches of other
+  /// models or versions sharing the store never read each other's pages. Give each model
+  /// (and each quantization, each tensor-parallel rank) its own.
+  std::string space = "default";
+  /// @throws std::invalid_argument naming the bad field.
+  void validate() const;
+};
+
+}  // namespace hicache

@@ -1,0 +1,248 @@
+// A tier shared by several caches (several engine hosts): pages one stored are served to
+// another, exactly; every way a shared value can be wrong is a miss; tier failures never stop
+// the cache.
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <memory>
+#include <random>
+
+#include "hicache/hicache.hpp"
+#include "test_support.hpp"
+
+namespace {
+
+using hicache::CacheConfig;
+using hicache::HostPrefixCache;
+using hicache::MemoryTier;
+using hicache_test::ids;
+using hicache_test::tokens;
+
+constexpr std::int64_t kB = 16;
+constexpr std::int64_t kBlockBytes = 256;
+
+// One engine host: a KV pool of 16 blocks (one segment) and its cache over a shared tier.
+struct Host {
+  std::vector<std::uint8_t> kv = std::vector<std::uint8_t>(16 * kBlockBytes);
+  std::unique_ptr<HostPrefixCache> cache;
+
+  Host(std::shared_ptr<MemoryTier> tier, hicache::TierOptions options = {},
+       std::int64_t pages = 32) {
+    CacheConfig c;
+    c.block_tokens = kB;
+    c.capacity_pages = pages;
+    c.admission = hicache::Admission::kAlways;
+    c.tier = std::move(options);
+    cache = std::make_unique<HostPrefixCache>(
+        std::vector<hicache::Segment>{{kv.data(), 16, kBlockBytes, kBlockBytes}}, hicache::Device{},
+        c, nullptr, std::move(tier));
+  }
+  // Prefill: the KV of block i of `prompt` is a function of its tokens (as a model's is).
+  void prefill(const std::vector<std::int32_t>& prompt, std::int64_t first_block) {
+    for (std::size_t i = 0; i < prompt.size() / kB; ++i) {
+      std::mt19937 rng(static_cast<std::uint32_t>(prompt[i * kB] * 7919 + i));
+      auto* b = kv.data() + (first_block + static_cast<std::int64_t>(i)) * kBlockBytes;
+      for (std::int64_t j = 0; j < kBlockBytes; ++j) b[j] = static_cast<std::uint8_t>(rng());
+    }
+  }
+  std::vector<std::uint8_t> block(std::int64_t b) const {
+    return {kv.begin() + b * kBlockBytes, kv.begin() + (b + 1) * kBlockBytes};
+  }
+  std::int64_t resume(const std::string& id, const std::vector<std::int32_t>& prompt,
+                      std::int64_t first_block) {
+    return cache->try_resume(id, prompt, [&](std::int64_t n) {
+      return std::optional<std::vector<std::int64_t>>(ids(first_block, n / kB));
+    });
+  }
+};
+
+// Host A prefills and stores a 5-page prompt; its pages reach the tier.
+std::vector<std::int32_t> store_on(Host& a) {
+  const auto prompt = tokens(5 * kB + 3, 100);
+  a.prefill(prompt, 0);
+  EXPECT_EQ(a.cache->store("a", prompt, ids(0, 6)), 5);
+  a.cache->flush_tier();
+  EXPECT_EQ(a.cache->stats().tier_pages_written, 5);
+  return prompt;
+}
+
+TEST(Tier, AnotherHostIsServedWhatOneStoredByteForByte) {
+  auto tier = std::make_shared<MemoryTier>();
+  Host a(tier), b(tier);
+  const auto prompt = store_on(a);
+  EXPECT_EQ(tier->size(), 5u);
+  EXPECT_EQ(b.resume("b", prompt, 8), 5 * kB);
+  for (std::int64_t i = 0; i < 5; ++i) EXPECT_EQ(b.block(8 + i), a.block(i)) << "page " << i;
+  auto s = b.cache->stats();
+  EXPECT_EQ(s.tier_pages_fetched, 5);
+  EXPECT_EQ(s.tier_hit_tokens, 5 * kB);
+  EXPECT_EQ(s.pages_used, 5);  // now in B's host memory: the next hit is a host hit
+  EXPECT_EQ(b.resume("b2", prompt, 8), 5 * kB);
+  EXPECT_EQ(b.cache->stats().tier_pages_fetched, 5);
+  // A longer prompt hits A's pages from host memory in B; its next page is nowhere.
+  auto longer = prompt;
+  for (int i = 0; i < 20; ++i) longer.push_back(9000 + i);
+  EXPECT_EQ(b.resume("b3", longer, 8), 5 * kB);
+  EXPECT_EQ(b.cache->stats().tier_pages_fetched, 5);
+  EXPECT_EQ(b.cache->stats().tier_pages_missing, 1);
+}
+
+TEST(Tier, APrefixHalfInHostMemoryTakesTheRestFromTheTier) {
+  auto tier = std::make_shared<MemoryTier>();
+  Host a(tier), b(tier);
+  const auto prompt = store_on(a);
+  const std::vector<std::int32_t> head(prompt.begin(), prompt.begin() + 2 * kB + 1);
+  b.prefill(head, 0);
+  EXPECT_EQ(b.cache->store("h", head, ids(0, 3)), 2);
+  b.cache->poll();
+  EXPECT_EQ(b.resume("b", prompt, 8), 5 * kB);
+  EXPECT_EQ(b.cache->stats().tier_pages_fetched, 3);
+  EXPECT_EQ(b.cache->stats().tier_hit_tokens, 3 * kB);
+}
+
+// Every way the shared value can be wrong costs a miss (or a shorter hit), never a wrong page.
+TEST(Tier, WrongValuesAreMissesNeverServed) {
+  struct Case {
+    const char* what;
+    std::function<void(MemoryTier&, const std::vector<std::string>&)> damage;
+    std::int64_t served;  // tokens B may serve: up to the damaged page
+    bool rejected;
+  };
+  const std::vector<Case> cases = {
+      {"intact (the control)", [](MemoryTier&, const auto&) {}, 5 * kB, false},
+      {"page 2 truncated",
+       [](MemoryTier& t, const auto& n) { t.edit(n[2], [](auto& v) { v.resize(v.size() - 1); }); },
+       2 * kB, true},
+      {"page 2 replaced by page 3's value",
+       [](MemoryTier& t, const auto& n) {
+         std::vector<std::byte> three;
+         t.edit(n[3], [&](auto& v) { three = v; });
+         t.edit(n[2], [&](auto& v) { v = three; });
+       },
+       2 * kB, true},
+      {"one byte of page 2 flipped",
+       [](MemoryTier& t, const auto& n) {
+         t.edit(n[2], [](auto& v) { v.back() ^= std::byte{1}; });
+       },
+       2 * kB, true},
+      {"page 2's tokens changed in its record",
+       [](MemoryTier& t, const auto& n) {
+         t.edit(n[2], [](auto& v) { v[8 + 48 + 24] ^= std::byte{4}; });
+       },
+       2 * kB, true},
+      {"page 2 deleted after it was written", [](MemoryTier& t, const auto& n) { t.erase(n[2]); },
+       2 * kB, false},
+      {"page 0 deleted", [](MemoryTier& t, const auto& n) { t.erase(n[0]); }, 0, false},
+  };
+  for (const Case& c : cases) {
+    auto tier = std::make_shared<MemoryTier>();
+    Host a(tier), b(tier);
+    const auto prompt = store_on(a);
+    const auto keys = hicache::chain_keys("", prompt, kB);
+    const auto space =
+        hicache::tier_space("default", a.cache->layout(), kB, 128);  // the names A wrote
+    std::vector<std::string> names;
+    for (const auto& k : keys) names.push_back(hicache::tier_value_name(space, k));
+    c.damage(*tier, names);
+    EXPECT_EQ(b.resume("b", prompt, 8), c.served) << c.what;
+    for (std::int64_t i = 0; i < c.served / kB; ++i)
+      EXPECT_EQ(b.block(8 + i), a.block(i)) << c.what;
+    EXPECT_EQ(b.cache->stats().tier_pages_rejected, c.rejected ? 1 : 0) << c.what;
+    EXPECT_FALSE(b.cache->stats().disabled);
+  }
+}
+
+TEST(Tier, OtherModelsAndTenantsNeverSeeEachOthersPages) {
+  auto tier = std::make_shared<MemoryTier>();
+  Host a(tier);
+  const auto prompt = store_on(a);
+  hicache::TierOptions other;
+  other.space = "another-model";
+  Host b(tier, other);
+  EXPECT_EQ(b.resume("b", prompt, 8), 0);
+  EXPECT_EQ(b.cache->stats().tier_pages_missing, 1);
+  Host c(tier);  // same model, another tenant's salt
+  EXPECT_EQ(
+      c.cache->try_resume(
+          "c", prompt,
+          [](std::int64_t n) { return std::optional<std::vector<std::int64_t>>(ids(8, n / kB)); },
+          nullptr, std::nullopt, "tenant-2"),
+      0);
+  Host d(tier);  // the control: the same space and salt is served
+  EXPECT_EQ(d.resume("d", prompt, 8), 5 * kB);
+}
+
+TEST(Tier, ATierThatFailsCostsMissesAndErrorsButNeverTheCache) {
+  auto tier = std::make_shared<MemoryTier>();
+  Host a(tier), b(tier);
+  const auto prompt = store_on(a);
+  tier->fail_next(20);
+  for (int i = 0; i < 12; ++i) EXPECT_EQ(b.resume("b" + std::to_string(i), prompt, 8), 0);
+  auto s = b.cache->stats();
+  EXPECT_EQ(s.tier_errors, 12);
+  EXPECT_FALSE(s.disabled);  // tier errors are not cache errors
+  EXPECT_EQ(s.errors, 0);
+  // Host memory still serves, and once the tier answers again it serves too.
+  b.prefill(prompt, 0);
+  EXPECT_EQ(b.cache->store("b", prompt, ids(0, 6)), 5);
+  b.cache->poll();
+  EXPECT_EQ(b.resume("again", prompt, 8), 5 * kB);
+  Host c(tier);
+  tier->fail_next(0);
+  EXPECT_EQ(c.resume("c", prompt, 8), 5 * kB);
+}
+
+TEST(Tier, AFullWriteQueueDropsPagesAndCountsThem) {
+  auto tier = std::make_shared<MemoryTier>();
+  hicache::TierOptions small;
+  small.queue_pages = 3;
+  Host a(tier, small);
+  const auto prompt = tokens(5 * kB + 3, 100);
+  a.prefill(prompt, 0);
+  a.cache->store("a", prompt, ids(0, 6));
+  a.cache->flush_tier();
+  const auto s = a.cache->stats();
+  EXPECT_EQ(s.tier_pages_dropped, 5);  // one store of 5 pages does not fit a queue of 3
+  EXPECT_EQ(s.tier_pages_written, 0);
+  EXPECT_EQ(s.pages_busy, 0);  // the dropped pages were given back
+}
+
+TEST(Tier, PrefetchServesTheNextPromptInsteadOfWaiting) {
+  auto tier = std::make_shared<MemoryTier>();
+  hicache::TierOptions prefetch;
+  prefetch.wait_us = 0;
+  Host a(tier), b(tier, prefetch);
+  const auto prompt = store_on(a);
+  EXPECT_EQ(b.resume("b", prompt, 8), 0);  // a host miss: nothing waits
+  b.cache->flush_tier();                   // the background fetch landed
+  EXPECT_EQ(b.cache->stats().tier_pages_fetched, 5);
+  EXPECT_EQ(b.resume("b2", prompt, 8), 5 * kB);
+  for (std::int64_t i = 0; i < 5; ++i) EXPECT_EQ(b.block(8 + i), a.block(i));
+}
+
+TEST(Tier, RecordsRejectEveryFieldThatDiffers) {
+  const std::vector<std::int32_t> toks = tokens(kB);
+  std::vector<std::byte> page(64);
+  for (std::size_t i = 0; i < page.size(); ++i) page[i] = std::byte(i);
+  hicache::Key space, key, parent, other;
+  space.bytes[0] = 1;
+  key.bytes[0] = 2;
+  parent.bytes[0] = 3;
+  other.bytes[0] = 4;
+  std::vector<std::byte> v(hicache::tier_value_bytes(kB, page.size()));
+  hicache::encode_tier_value(v.data(), space, key, parent, toks, page);
+  std::string why;
+  auto ok = hicache::check_tier_value(v, space, key, parent, toks, page.size(), why);
+  ASSERT_EQ(ok.size(), page.size());
+  EXPECT_EQ(std::memcmp(ok.data(), page.data(), page.size()), 0);
+  EXPECT_TRUE(hicache::check_tier_value(v, other, key, parent, toks, 64, why).empty());
+  EXPECT_TRUE(hicache::check_tier_value(v, space, other, parent, toks, 64, why).empty());
+  EXPECT_TRUE(hicache::check_tier_value(v, space, key, other, toks, 64, why).empty());
+  auto toks2 = toks;
+  toks2[3] = -1;
+  EXPECT_TRUE(hicache::check_tier_value(v, space, key, parent, toks2, 64, why).empty());
+  EXPECT_NE(why.find("tokens"), std::string::npos);
+  EXPECT_TRUE(hicache::check_tier_value(v, space, key, parent, toks, 32, why).empty());
+}
+
+}  // namespace
