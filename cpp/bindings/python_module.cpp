@@ -755,6 +755,12 @@ NB_MODULE(_core, m) {
           "flush_tier", [](PyCache& self) { self.cache->flush_tier(); },
           nb::call_guard<nb::gil_scoped_release>())
       .def(
+          "tier_name",
+          [](const PyCache& self, nb::bytes key) {
+            return self.cache->tier_name(key_of(key, "tier_name"));
+          },
+          "key"_a)
+      .def(
           "complete_transfers",
           [](PyCache& self, std::optional<std::uintptr_t> stream) -> std::size_t {
             if (!self.deferred) {

@@ -68,10 +68,9 @@ HostPrefixCache::HostPrefixCache(std::vector<Segment> segments, Device device, C
   }
   if (tier) {
     admit_all_ = make_admission_policy(Admission::kAlways, config_.capacity_pages);
+    tier_space_ = tier_space(config_.tier.space, layout_, config_.block_tokens, config_.key_bits);
     link_ = std::make_unique<TierLink>(
-        std::move(tier), config_.tier,
-        tier_space(config_.tier.space, layout_, config_.block_tokens, config_.key_bits),
-        layout_.page_bytes(), config_.block_tokens,
+        std::move(tier), config_.tier, tier_space_, layout_.page_bytes(), config_.block_tokens,
         [this](const std::vector<Entry*>& entries) {
           std::lock_guard<std::mutex> g(mu_);
           for (Entry* e : entries) pages_.unpin(e);
@@ -646,6 +645,10 @@ CacheStats HostPrefixCache::stats() const {
   s.admitting_second_sightings_only = admission_->wants_second_sighting();
   if (link_) link_->add_stats(s);
   return s;
+}
+
+std::string HostPrefixCache::tier_name(const Key& page_key) const {
+  return link_ ? tier_value_name(tier_space_, page_key) : std::string();
 }
 
 void HostPrefixCache::flush_tier() {

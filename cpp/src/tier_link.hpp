@@ -103,7 +103,7 @@ class TierLink {
   std::size_t page_bytes_;
   std::int64_t block_tokens_;
   std::size_t value_bytes_;
-  std::size_t round_pages_;  // values one round of a put or a get moves (a quarter buffer)
+  std::size_t round_pages_;  // values one round of a put or a get moves (half a buffer)
   Release release_;
   Adopt adopt_;
 
@@ -125,8 +125,8 @@ class TierLink {
   std::thread worker_;
 };
 
-/// One fetch in rounds of a quarter of the get buffer, up to four in flight: the next rounds
-/// cross the network while the caller checks and adopts this one. Holds the get buffer until
+/// One fetch in rounds of half the get buffer, two in flight: the next round crosses the
+/// network while the caller checks and adopts this one. Holds the get buffer until
 /// destroyed; rounds still in flight then are left to complete (the buffer is not reused before).
 class TierLink::Fetch {
  public:

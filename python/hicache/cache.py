@@ -202,7 +202,7 @@ class HostPrefixCache:
             tier,
             round(tier_wait_ms * 1000),
             tier_queue_pages,
-            64 << 20,
+            128 << 20,  # tier buffers: two rounds of 64 MiB in flight each way: two rounds of 64 MiB in flight each way
             tier_space,
         )
         self.block_tokens = block_tokens
@@ -311,6 +311,11 @@ class HostPrefixCache:
     def flush_tier(self) -> None:
         """Wait until every page queued for the tier was written (tests; shutdown does it)."""
         self._core.flush_tier()
+
+    def tier_name(self, key: bytes) -> str:
+        """The name of a page's value in the tier (a key from :func:`hicache.chain_keys`); ""
+        without a tier. For operators and tests."""
+        return self._core.tier_name(key)
 
     def poll(self) -> int:
         """Retire completed transfers (non-blocking). Returns how many were retired."""

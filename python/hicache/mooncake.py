@@ -63,7 +63,7 @@ class MooncakeTier(Tier):
         protocol: ``"tcp"`` (any network) or ``"rdma"`` (with ``rdma_devices``).
         reconnect_s: the least time between two reconnection attempts.
         threads: calls to the store run on this many threads of the tier's own, so the rounds
-            hicache keeps in flight (four) cross the network at once.
+            hicache keeps in flight (two each way) cross the network at once.
 
     Raises:
         TierUnavailableError: the client is not installed, or it cannot reach the store.
@@ -79,7 +79,7 @@ class MooncakeTier(Tier):
         protocol: str = "tcp",
         rdma_devices: str = "",
         reconnect_s: float = 1.0,
-        threads: int = 4,
+        threads: int = 2,
     ) -> None:
         super().__init__()
         self._cls = _client_class()

@@ -111,6 +111,8 @@ class HostPrefixCache {
   std::vector<Key> page_lru_order() const;
   /// Waits until every page queued for the tier was written (tests; shutdown does it too).
   void flush_tier();
+  /// The name a page's value has in the tier (operators, tests); empty without a tier.
+  std::string tier_name(const Key& page_key) const;
 
  private:
   struct Transfer {
@@ -179,7 +181,8 @@ class HostPrefixCache {
   bool disabled_ = false;
   CacheStats stats_;
   std::unique_ptr<AdmissionPolicy> admit_all_;  // pages fetched from the tier are being used
-  std::unique_ptr<TierLink> link_;              // last: stopped first, while the pools still exist
+  Key tier_space_{};
+  std::unique_ptr<TierLink> link_;  // last: stopped first, while the pools still exist
 };
 
 }  // namespace hicache

@@ -61,9 +61,9 @@ struct TierOptions {
   std::int64_t wait_us = 20000;
   /// Pages waiting to be written to the tier; a store beyond that is dropped (counted).
   std::int64_t queue_pages = 4096;
-  /// Bytes of each of the two buffers values go through (use_buffers): a put or a get moves at
-  /// most this much at a time (at least one page).
-  std::int64_t buffer_bytes = std::int64_t{64} << 20;
+  /// Bytes of each of the two buffers values go through (use_buffers): puts and gets move half
+  /// of it at a time (at least one page), two halves in flight.
+  std::int64_t buffer_bytes = std::int64_t{128} << 20;
   /// Names the model and its KV format in every value's name and record, so caches of other
   /// models or versions sharing the store never read each other's pages. Give each model
   /// (and each quantization, each tensor-parallel rank) its own.

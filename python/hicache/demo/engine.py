@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .._core import Tier
 from ..cache import HostPrefixCache
 from .model import TinyTransformer
 
@@ -63,6 +64,8 @@ class PagedEngine:
         cuda_blocks: int = 4,
         measure_load: bool = False,
         prefill_chunk: int | None = None,
+        tier: Tier | None = None,
+        tier_space: str = "demo",
     ) -> None:
         self.model, self.cfg, self.B = model, model.cfg, block_tokens
         cfg, dev, dt = model.cfg, model.device, model.dtype
@@ -99,6 +102,9 @@ class PagedEngine:
                 capacity_states=(state_slots or cache_pages) if state_bytes else 0,
                 state_lookback=state_lookback,
                 cuda_blocks=cuda_blocks,
+                tier=tier,
+                tier_space=tier_space,
+                tier_wait_ms=1000.0,  # the demo shows what the tier serves, not its deadline
             )
         self.page_bytes = sum(t[0].numel() * t.element_size() for t in self.k_pool.values()) * 2
 

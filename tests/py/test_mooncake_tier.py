@@ -1,0 +1,282 @@
+"""hicache over Mooncake Store: several engine processes, each with its own host pool, share one
+tier on 127.0.0.1 (a mooncake_master started by the test). Every turn of a conversation lands on
+another process; each generates exactly what a recompute generates, and takes its prefix from
+the tier. Then the faults: the master killed and restarted, a writer killed mid-put, objects
+deleted before they are read, values truncated or overwritten: each a miss (and an error where
+the tier failed), the engine serving on, nothing wrong served, the tier reconnecting by itself.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+if os.environ.get("HICACHE_REQUIRE_MOONCAKE") != "1":
+    pytest.importorskip("mooncake.store", reason="pip install 'hicache[mooncake]'")
+
+import hicache  # noqa: E402
+from hicache.demo import PRESETS, PagedEngine, TinyTransformer, make_conversations  # noqa: E402
+from hicache.mooncake import MooncakeTier  # noqa: E402
+from mooncake_support import engine_process, running_master  # noqa: E402
+
+
+@pytest.fixture
+def master(tmp_path):
+    with running_master(tmp_path) as m:
+        yield m
+
+
+def test_three_engine_processes_share_prefixes_through_mooncake_and_generate_identical_tokens(master) -> None:
+    ctx = mp.get_context("spawn")
+    pipes, procs = [], []
+    for rank in range(3):
+        parent, child = ctx.Pipe()
+        p = ctx.Process(target=engine_process, args=(child, rank, master.rpc, master.metadata))
+        p.start()
+        pipes.append(parent)
+        procs.append(p)
+    try:
+        for conn in pipes:
+            assert conn.poll(120), "an engine process did not start"
+            assert conn.recv() == "ready"
+        model = TinyTransformer(PRESETS["tiny"], torch.device("cpu"), torch.float32, seed=1)
+        recompute = PagedEngine(model, num_blocks=64, block_tokens=32)
+        convs = make_conversations(4, 4, PRESETS["tiny"].vocab, first_tokens=200, user_tokens=40, seed=3)
+        history = [list(c.first) for c in convs]
+        prompt_tokens = cached = from_tier = mismatched = 0
+        for t in range(4):
+            for i, conv in enumerate(convs):
+                prompt = history[i] if t == 0 else history[i] + conv.user_turns[t - 1]
+                rank = (i + t) % 3  # each turn on another process than the one before
+                pipes[rank].send((f"c{i}t{t}", prompt, 6))
+                generated, hit, tier_hit, _ = pipes[rank].recv()
+                want = recompute.run_request(f"r-c{i}t{t}", prompt, 6).generated
+                mismatched += generated != want
+                prompt_tokens += len(prompt)
+                cached += hit
+                from_tier += tier_hit
+                history[i] = prompt + generated
+        stats = []
+        for conn in pipes:
+            conn.send(None)
+            stats.append(conn.recv())
+    finally:
+        for p in procs:
+            p.join(timeout=60)
+            if p.is_alive():
+                p.kill()
+    print(
+        f"16 requests over 3 processes: {prompt_tokens} prompt tokens, {cached} from hicache "
+        f"({from_tier} from the Mooncake tier, {cached - from_tier} from host memory), "
+        f"{prompt_tokens - cached} recomputed"
+    )
+    assert mismatched == 0
+    # Turns 2-4 of every conversation (12 requests) land where the conversation has never been:
+    # their prefixes come from the tier.
+    assert from_tier >= 12 * 200 // 32 * 32 * 0.9
+    assert sum(s["tier_pages_written"] for s in stats) > 0
+    assert sum(s["tier_pages_rejected"] for s in stats) == 0
+    assert all(s["errors"] == 0 for s in stats)
+    assert all(p.exitcode == 0 for p in procs)
+
+
+# --- faults ------------------------------------------------------------------------------------
+
+B, PAGE = 16, 4096
+
+
+def _host(master, kv: np.ndarray, **kw) -> tuple[hicache.HostPrefixCache, MooncakeTier]:
+    tier = MooncakeTier(master.rpc, master.metadata, segment_bytes=64 << 20, reconnect_s=0.2)
+    return hicache.HostPrefixCache(kv, block_tokens=B, capacity_pages=64, tier=tier, **kw), tier
+
+
+def _pages(seed: int, n: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, (n, PAGE), dtype=np.uint8)
+
+
+def _prompt(seed: int, pages: int) -> np.ndarray:
+    return np.arange(pages * B + 1, dtype=np.int32) + seed * 100_000
+
+
+def _resume(cache: hicache.HostPrefixCache, kv: np.ndarray, rid: str, prompt: np.ndarray) -> int:
+    kv[:] = 0
+    return cache.try_resume(rid, prompt, lambda n: list(range(n // B)))
+
+
+def test_a_value_truncated_or_overwritten_with_another_pages_bytes_is_a_miss(master) -> None:
+    kv_a = _pages(1, 8)
+    a, ta = _host(master, kv_a)
+    prompt = _prompt(1, 8)
+    assert a.store("a", prompt, list(range(8))) == 8
+    a.poll()
+    a.flush_tier()
+    keys = hicache.chain_keys(prompt, B)
+    raw = ta._store  # the Mooncake client itself, as another program would use it
+    good = raw.get(a.tier_name(keys[3]))
+    assert len(good) > PAGE
+    damages = {
+        "truncated": good[:-100],
+        "another page's value": raw.get(a.tier_name(keys[4])),
+        "page bytes overwritten": good[:-PAGE] + bytes(PAGE),
+    }
+    for what, value in damages.items():
+        time.sleep(0.3)  # past the lease the last read took (replacing a leased value hides it)
+        assert raw.upsert(a.tier_name(keys[3]), value) == 0, what
+        kv_b = np.zeros((8, PAGE), np.uint8)
+        b, _ = _host(master, kv_b)
+        assert _resume(b, kv_b, "b", prompt) == 3 * B, what  # up to the bad page: a miss
+        assert np.array_equal(kv_b[:3], kv_a[:3]), what
+        s = b.stats()
+        assert (s.tier_pages_rejected, s.tier_errors, s.errors) == (1, 0, 0), (
+            what,
+            s.tier_pages_missing,
+            s.tier_last_error,
+        )
+    # The control: restored, page 3 is served again.
+    time.sleep(0.3)
+    assert raw.upsert(a.tier_name(keys[3]), good) == 0
+    kv_d = np.zeros((8, PAGE), np.uint8)
+    d, _ = _host(master, kv_d)
+    assert _resume(d, kv_d, "d", prompt) == 8 * B
+    assert np.array_equal(kv_d, kv_a)
+    assert d.stats().tier_pages_rejected == 0
+
+
+def test_an_object_deleted_between_exists_and_get_is_a_miss(master) -> None:
+    kv_a = _pages(2, 6)
+    a, _ = _host(master, kv_a)
+    prompt = _prompt(2, 6)
+    a.store("a", prompt, list(range(6)))
+    a.poll()
+    a.flush_tier()
+    names = [a.tier_name(k) for k in hicache.chain_keys(prompt, B)]
+
+    class DeletingTier(MooncakeTier):
+        """Another host deletes page 4 after it was found and before it is read."""
+
+        def get(self, names_: list[str], dests: list[int], capacity: int) -> int:
+            assert all(x == 1 for x in self._store.batch_is_exist(names_))  # all there
+            time.sleep(0.3)  # past any read lease
+            if names[4] in names_:
+                assert self._store.remove(names[4]) == 0
+            return super().get(names_, dests, capacity)
+
+    tier = DeletingTier(master.rpc, master.metadata, segment_bytes=64 << 20)
+    kv_b = np.zeros((6, PAGE), np.uint8)
+    b = hicache.HostPrefixCache(kv_b, block_tokens=B, capacity_pages=64, tier=tier, tier_wait_ms=5000)
+    assert b.try_resume("b", prompt, lambda n: list(range(n // B))) == 4 * B
+    assert np.array_equal(kv_b[:4], kv_a[:4])
+    s = b.stats()
+    assert (s.tier_pages_missing, s.tier_pages_rejected, s.errors) == (1, 0, 0)
+
+
+def test_the_master_killed_and_restarted_costs_misses_and_the_tier_reconnects(master) -> None:
+    kv_a, kv_b = _pages(3, 8), np.zeros((8, PAGE), np.uint8)
+    a, ta = _host(master, kv_a)
+    b, tb = _host(master, kv_b)
+    first = _prompt(3, 4)
+    a.store("a0", first, list(range(4)))
+    a.poll()
+    a.flush_tier()
+    master.kill()
+    # The tier is gone: a miss there costs a counted error, never the engine.
+    assert _resume(b, kv_b, "b0", first) == 0
+    assert b.stats().tier_errors >= 1 and b.stats().errors == 0 and not b.stats().disabled
+    # Host memory still serves.
+    own = _prompt(30, 4)
+    kv_b[:4] = kv_a[:4]
+    b.store("b1", own, list(range(4)))
+    b.poll()
+    assert _resume(b, kv_b, "b2", own) == 4 * B and np.array_equal(kv_b[:4], kv_a[:4])
+    master.restart()
+    # The restarted master has lost every object and segment; the tier reconnects by itself (the
+    # client re-registers its segment, or hicache's tier makes a new client after failures) and
+    # writes and reads work again.
+    restarted = time.monotonic()
+    deadline = restarted + 60
+    n = 0
+    while True:
+        n += 1
+        p = _prompt(100 + n, 4)
+        kv_a[:4] = _pages(100 + n, 4)
+        written = a.stats().tier_pages_written
+        a.store(f"after{n}", p, list(range(4)))
+        a.poll()
+        a.flush_tier()
+        if a.stats().tier_pages_written == written + 4:
+            break
+        assert time.monotonic() < deadline, a.stats().tier_last_error
+        time.sleep(0.3)
+    recovered = time.monotonic() - restarted
+    deadline = time.monotonic() + 60
+    while _resume(b, kv_b, f"back{n}", p) != 4 * B:  # b's client reconnects too
+        assert time.monotonic() < deadline, b.stats().tier_last_error
+        time.sleep(0.3)
+    assert np.array_equal(kv_b[:4], kv_a[:4])
+    assert b.stats().tier_pages_rejected == 0
+    print(
+        f"master restarted: writes again after {recovered:.1f} s ({n} tries; new clients: "
+        f"{ta.reconnects} and {tb.reconnects}); b's tier errors {b.stats().tier_errors}"
+    )
+
+
+def _writer_killed_mid_put(master: str, metadata: str, ready) -> None:
+    """A host that stores a long prompt and is killed while its pages go to the tier."""
+    tier = MooncakeTier(master, metadata, segment_bytes=256 << 20)
+    kv = _pages(4, 256)
+    cache = hicache.HostPrefixCache(kv, block_tokens=B, capacity_pages=256, tier=tier, admission="always")
+    cache.store("w", _prompt(4, 256), list(range(256)))
+    cache.poll()  # the tier thread starts writing; the parent kills this process meanwhile
+    ready.set()
+    cache.flush_tier()
+    time.sleep(60)
+
+
+def test_a_writer_killed_mid_put_costs_misses_never_a_wrong_page(master) -> None:
+    ctx = mp.get_context("spawn")
+    ready = ctx.Event()
+    p = ctx.Process(target=_writer_killed_mid_put, args=(master.rpc, master.metadata, ready))
+    p.start()
+    assert ready.wait(120)
+    time.sleep(0.05)
+    os.kill(p.pid, signal.SIGKILL)
+    p.join()
+    want = _pages(4, 256)
+    kv_b = np.zeros((256, PAGE), np.uint8)
+    b, _ = _host(master, kv_b)
+    prompt = _prompt(4, 256)
+    got = b.try_resume("b", prompt, lambda n: list(range(n // B)))
+    # Whatever was served is exactly what the writer had; the rest is a miss.
+    assert got % B == 0 and np.array_equal(kv_b[: got // B], want[: got // B])
+    s = b.stats()
+    assert s.tier_pages_rejected == 0 and s.errors == 0 and not s.disabled
+    print(
+        f"after the writer was killed: {got // B} of 256 pages served, stats: "
+        f"missing {s.tier_pages_missing}, errors {s.tier_errors}"
+    )
+    # The engine and its tier go on: once the master has dropped the dead client's segment
+    # (client_ttl), another host's pages are served again. Until then a value may land in the
+    # dead segment and be unreadable: a miss and a counted error.
+    kv_a = np.zeros((4, PAGE), np.uint8)
+    a, _ = _host(master, kv_a)
+    deadline = time.monotonic() + 60
+    for n in range(1000):
+        kv_a[:] = _pages(10 + n, 4)
+        a.store(f"a{n}", _prompt(10 + n, 4), list(range(4)))
+        a.poll()
+        a.flush_tier()
+        got = _resume(b, kv_b, f"b{n}", _prompt(10 + n, 4))
+        assert np.array_equal(kv_b[: got // B], kv_a[: got // B])  # never a wrong page
+        if got == 4 * B:
+            break
+        assert time.monotonic() < deadline, b.stats().tier_last_error
+        time.sleep(0.5)
+    assert np.array_equal(kv_b[:4], kv_a)
+    assert b.stats().tier_pages_rejected == 0
