@@ -436,22 +436,26 @@ NB_MODULE(_core, m) {
       [](U64s block_ids, U32s sub_pages, BlockIds offsets, BlockIds hit_limit,
          nb::ndarray<const std::int32_t, nb::ndim<1>, nb::c_contig, nb::device::cpu> instance_of,
          std::int32_t instances, std::int64_t host_capacity_pages, std::int64_t tier_capacity_pages,
-         const std::string& eviction, const std::string& admission) {
+         const std::string& eviction, const std::string& admission, const std::string& write) {
         const auto ev = parse_eviction(eviction);
         const auto ad = hicache::parse_admission(admission);
+        if (write != "through" && write != "back") {
+          throw std::invalid_argument("tier write must be 'through' or 'back', not '" + write + "'");
+        }
+        const auto tw = write == "back" ? hicache::TierWrite::kBack : hicache::TierWrite::kThrough;
         hicache::ReplayResult r;
         {
           nb::gil_scoped_release release;
           r = hicache::replay_shared(replay_trace(block_ids, sub_pages, offsets, hit_limit),
                                      {instance_of.data(), instance_of.shape(0)}, instances,
-                                     host_capacity_pages, tier_capacity_pages, ev, ad);
+                                     host_capacity_pages, tier_capacity_pages, ev, ad, tw);
         }
         return replay_dict(r);
       },
       "block_ids"_a.noconvert(), "sub_pages"_a.noconvert(), "offsets"_a.noconvert(),
       "hit_limit"_a.noconvert(), "instance_of"_a.noconvert(), "instances"_a,
       "host_capacity_pages"_a, "tier_capacity_pages"_a, "eviction"_a, "admission"_a,
-      "Several instances with private host pools over one shared tier (see trace_replay.hpp).");
+      "write"_a = "through", "Several instances with private host pools over one shared tier (see trace_replay.hpp).");
   m.def(
       "replay_optimum",
       [](U64s block_ids, U32s sub_pages, BlockIds offsets, BlockIds hit_limit,

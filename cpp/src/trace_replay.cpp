@@ -74,6 +74,7 @@ class ReplayCache {
   void store(std::span<const Key> keys, ReplayResult& res) {
     policy_->observe(keys);
     walk_.fresh.clear();
+    walk_.evicted.clear();
     walk_store(index_, *policy_, next_serial_, keys, kRoot, StaleKeys::kReplace, walk_, trust,
                [](std::size_t, Entry*) { return true; });
     index_.touch_chain(walk_.chain);
@@ -88,6 +89,9 @@ class ReplayCache {
   }
 
   std::int64_t evictions() const { return index_.evictions(); }
+  // Pages the last store evicted, and those it stored.
+  const std::vector<Key>& evicted() const { return walk_.evicted; }
+  const std::vector<Entry*>& stored() const { return walk_.fresh; }
 
  private:
   static constexpr std::uint64_t kRoot = 1;                      // the one salt's chain root
@@ -96,6 +100,39 @@ class ReplayCache {
   std::unique_ptr<AdmissionPolicy> policy_;
   std::uint64_t next_serial_ = 2;
   StoreWalk walk_;
+};
+
+// The shared tier: pages by key, least recently used out (its values are found by name).
+class TierModel {
+ public:
+  explicit TierModel(std::int64_t capacity) : index_(capacity, EvictionPolicy::kLru) {}
+  // Pages of keys[from..limit) it holds, in a run; they are marked used.
+  std::size_t lookup(std::span<const Key> keys, std::size_t from, std::size_t limit) {
+    std::size_t n = 0;
+    for (std::size_t i = from; i < limit; ++i, ++n) {
+      Entry* e = index_.find(keys[i]);
+      if (e == nullptr) break;
+      index_.touch(e);
+    }
+    return n;
+  }
+  void put(const Key& key) {
+    if (Entry* e = index_.find(key)) {
+      index_.touch(e);
+      return;
+    }
+    Entry* e = index_.insert(key, next_serial_++, 0);
+    if (e == nullptr) return;
+    e->ready = true;
+    index_.unpin(e);
+    ++stored_;
+  }
+  std::int64_t stored() const { return stored_; }
+
+ private:
+  PrefixIndex index_;
+  std::uint64_t next_serial_ = 1;
+  std::int64_t stored_ = 0;
 };
 
 void request_keys(const ReplayTrace& t, std::size_t r, std::vector<Key>& keys) {
@@ -136,7 +173,7 @@ ReplayResult replay_policy(const ReplayTrace& t, std::int64_t capacity_pages,
 ReplayResult replay_shared(const ReplayTrace& t, std::span<const std::int32_t> instance_of,
                            std::int32_t instances, std::int64_t host_capacity_pages,
                            std::int64_t tier_capacity_pages, EvictionPolicy eviction,
-                           Admission admission) {
+                           Admission admission, TierWrite write) {
   check(t, host_capacity_pages);
   const std::size_t requests = t.hit_limit.size();
   if (instances < 1) throw std::invalid_argument("replay: instances must be >= 1");
@@ -148,12 +185,9 @@ ReplayResult replay_shared(const ReplayTrace& t, std::span<const std::int32_t> i
   for (std::int32_t i = 0; i < instances; ++i) {
     hosts.push_back(std::make_unique<ReplayCache>(host_capacity_pages, eviction, admission));
   }
-  // The shared tier is large and cheap to write: every page goes to it (write-through).
-  std::unique_ptr<ReplayCache> tier;
-  if (tier_capacity_pages > 0) {
-    tier = std::make_unique<ReplayCache>(tier_capacity_pages, eviction, Admission::kAlways);
-  }
-  ReplayResult res, tier_res;
+  std::unique_ptr<TierModel> tier;
+  if (tier_capacity_pages > 0) tier = std::make_unique<TierModel>(tier_capacity_pages);
+  ReplayResult res;
   res.served_pages.assign(requests, 0);
   res.tier_pages.assign(requests, 0);
   std::vector<Key> keys;
@@ -163,21 +197,26 @@ ReplayResult replay_shared(const ReplayTrace& t, std::span<const std::int32_t> i
       throw std::invalid_argument("replay: request " + std::to_string(r) + " routed to instance " +
                                   std::to_string(i) + " of " + std::to_string(instances));
     }
+    ReplayCache& host = *hosts[static_cast<std::size_t>(i)];
     request_keys(t, r, keys);
     const std::size_t limit = hit_limit(t, r, keys.size());
-    const std::size_t h = hosts[static_cast<std::size_t>(i)]->lookup(keys, limit);
-    // A host miss past page h consults the tier, which serves what it holds beyond the host's
-    // hit; the pages it serves are stored into the host with the rest of the prompt.
-    const std::size_t from_tier = tier ? tier->lookup(keys, limit) : 0;
-    const std::size_t served = std::max(h, from_tier);
-    res.served_pages[r] = static_cast<std::int64_t>(served);
-    res.tier_pages[r] = static_cast<std::int64_t>(served - h);
-    res.requests_hit += served > 0 ? 1 : 0;
-    hosts[static_cast<std::size_t>(i)]->store(keys, res);
-    if (tier) tier->store(keys, tier_res);
+    const std::size_t h = host.lookup(keys, limit);
+    // A host miss at page h waits for the tier, which serves the run of pages it holds from h;
+    // they enter the host with the rest of the prompt.
+    const std::size_t from_tier = tier ? tier->lookup(keys, h, limit) : 0;
+    res.served_pages[r] = static_cast<std::int64_t>(h + from_tier);
+    res.tier_pages[r] = static_cast<std::int64_t>(from_tier);
+    res.requests_hit += h + from_tier > 0 ? 1 : 0;
+    host.store(keys, res);
+    if (!tier) continue;
+    if (write == TierWrite::kThrough) {  // what HostPrefixCache writes: the pages it stored
+      for (const Entry* e : host.stored()) tier->put(e->key);
+    } else {
+      for (const Key& k : host.evicted()) tier->put(k);
+    }
   }
   for (const auto& h : hosts) res.evictions += h->evictions();
-  res.tier_pages_stored = tier_res.pages_stored;
+  res.tier_pages_stored = tier ? tier->stored() : 0;
   return res;
 }
 

@@ -46,11 +46,13 @@ class HostPrefixCache:
         eviction: ``"leaf-first"`` (default: never evicts a page before its cached descendants)
             or ``"lru"`` (plain LRU, as DeepInfer's hicache; strands descendants).
         admission: which new pages may take a slot while the pool is full. ``"adaptive"``
-            (default): write-through, or only pages whose key was seen in a recent prompt,
-            whichever two small simulations beside the cache currently find better (small
-            pools under pressure get the second, large ones write-through). ``"second-sighting"``:
-            always the second. ``"always"``: write-through. A declined page ends the store
-            (its descendants cannot be cached without it); counted in ``pages_declined``.
+            (the default without a tier): write-through, or only pages whose key was seen in a
+            recent prompt, whichever two small simulations beside the cache currently find
+            better (small pools under pressure get the second, large ones write-through).
+            ``"second-sighting"``: always the second. ``"always"`` (the default with a tier,
+            which receives only the pages the host stores): write-through. A declined page ends
+            the store (its descendants cannot be cached without it); counted in
+            ``pages_declined``.
         cuda_blocks: CTAs of the CUDA copy kernel.
         cuda_staging_bytes: device memory per stream and direction through which pages of
             layer-major pools cross PCIe whole on the DMA engines (pages of 512 KiB or more
@@ -73,8 +75,9 @@ class HostPrefixCache:
             in host memory fetches the rest of its prefix from it, checked as exactly as a host
             page (tokens, parent, salt, model, checksum), into host memory. Pages only: a cache
             with ``state_bytes`` does not fetch.
-        tier_wait_ms: how long a host miss waits for the tier (then serves what arrived).
-            0: never wait; fetch in the background, for the next prompt (prefetch).
+        tier_wait_ms: how long a host miss waits for the tier (then serves what arrived); make
+            it about what recomputing a long prefix would cost. 0: never wait; fetch in the
+            background, for the next prompt (prefetch).
         tier_queue_pages: pages waiting to be written to the tier; beyond that, stores are not
             written there (counted in ``tier_pages_dropped``).
         tier_space: names this model (and its version, quantization, tensor-parallel rank) in
@@ -107,9 +110,9 @@ class HostPrefixCache:
         pool_chunk_bytes: int = 1 << 30,
         pin_upfront: bool = False,
         eviction: Eviction = "leaf-first",
-        admission: Admission = "adaptive",
+        admission: Admission | None = None,
         tier: Tier | None = None,
-        tier_wait_ms: float = 20.0,
+        tier_wait_ms: float = 50.0,
         tier_queue_pages: int = 4096,
         tier_space: str = "default",
         key_bits: int = 128,
@@ -145,6 +148,8 @@ class HostPrefixCache:
         pin_upfront = _arrays.bool_arg("pin_upfront", pin_upfront)
         copier = _arrays.choice_arg("copier", copier, ("auto", "cpu", "cuda", "deferred", "null"))  # type: ignore[assignment]
         eviction = _arrays.choice_arg("eviction", eviction, ("leaf-first", "lru"))  # type: ignore[assignment]
+        if admission is None:  # a tier gets what the host stores: with one, store every page
+            admission = "always" if tier is not None else "adaptive"
         admission = _arrays.choice_arg(  # type: ignore[assignment]
             "admission", admission, ("adaptive", "second-sighting", "always")
         )
@@ -162,7 +167,11 @@ class HostPrefixCache:
             )
         tier_queue_pages = _arrays.int_arg("tier_queue_pages", tier_queue_pages, 0, i64)
         if not isinstance(tier_space, str) or not tier_space:
-            raise ValueError(f"tier_space must be a non-empty string, not {tier_space!r}")
+            raise ValueError(f"tier_space must be a non-empty string, not {_arrays.show(tier_space)}")
+        try:
+            tier_space = str(tier_space.encode("utf-8"), "utf-8")  # a plain str, valid UTF-8
+        except UnicodeEncodeError as e:
+            raise ValueError(f"tier_space must be text that encodes as UTF-8: {e}") from None
         salt_bytes = _arrays.as_salt(salt)
         if salt_bytes is None:
             raise TypeError("salt must be bytes or str, not None")
@@ -202,7 +211,7 @@ class HostPrefixCache:
             tier,
             round(tier_wait_ms * 1000),
             tier_queue_pages,
-            128 << 20,  # tier buffers: two rounds of 64 MiB in flight each way: two rounds of 64 MiB in flight each way
+            128 << 20,  # tier buffers: two rounds of 64 MiB in flight each way
             tier_space,
         )
         self.block_tokens = block_tokens

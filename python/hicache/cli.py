@@ -115,6 +115,11 @@ def _replay(args: argparse.Namespace) -> int:
                 raise ValueError("--instances needs --tier (the shared tier's capacity)")
             if args.route not in replay.ROUTES:
                 raise ValueError(f"--route must be one of {', '.join(replay.ROUTES)}")
+            for w in args.tier_write.split(","):
+                if w not in replay.TIER_WRITES:
+                    raise ValueError(
+                        f"--tier-write must be one of {', '.join(replay.TIER_WRITES)}, not {w!r}"
+                    )
         elif args.tier is not None:
             raise ValueError("--tier needs --instances")
         if args.plot:
@@ -170,11 +175,14 @@ def _replay_shared(args: argparse.Namespace, traces: list, capacities: list[int]
                 print(replay.SHARED_HEADER, flush=True)
             for n in (int(x) for x in args.instances.split(",")):
                 for cap in capacities:
-                    res = replay.replay_shared(trace, n, cap, tier, args.route, policy, args.keep_tokens)
-                    if args.json:
-                        print(json.dumps({"trace": trace.name, **res.as_dict()}), flush=True)
-                    else:
-                        print(replay.format_shared_row(res), flush=True)
+                    for write in args.tier_write.split(","):
+                        res = replay.replay_shared(
+                            trace, n, cap, tier, args.route, policy, args.keep_tokens, write
+                        )
+                        if args.json:
+                            print(json.dumps({"trace": trace.name, **res.as_dict()}), flush=True)
+                        else:
+                            print(replay.format_shared_row(res), flush=True)
     except KeyboardInterrupt:
         print("hicache replay: interrupted; the results above are complete", file=sys.stderr)
         return 130
@@ -266,6 +274,12 @@ def main(argv: list[str] | None = None) -> int:
         "--route",
         default="affinity",
         help="with --instances: affinity (a conversation stays on one instance) or round-robin",
+    )
+    r.add_argument(
+        "--tier-write",
+        default="through",
+        help="with --instances: when pages reach the tier, 'through' (each page a host stores, as "
+        "hicache does) or 'back' (when a host evicts it); comma-separated to compare",
     )
     r.add_argument("--no-optimum", action="store_true", help="skip Belady's offline optimum")
     r.add_argument("--plot", metavar="PNG", help="write hit ratio vs capacity (needs matplotlib)")

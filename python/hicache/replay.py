@@ -287,10 +287,14 @@ def route_requests(trace: Trace, instances: int, route: str) -> np.ndarray:
     return (mixed % np.uint64(instances)).astype(np.int32)
 
 
+TIER_WRITES = ("through", "back")
+
+
 @dataclass
 class SharedResult:
     instances: int
     route: str
+    write: str
     host_capacity_tokens: int
     tier_capacity_tokens: int
     prompt_tokens: int
@@ -320,9 +324,14 @@ def replay_shared(
     route: str = "affinity",
     policy: str = "adaptive",
     keep_tokens: int = 1,
+    write: str = "through",
 ) -> SharedResult:
-    """N engine instances with private host pools, over one shared tier written through by all,
-    beside N private pools alone and one big cache of all that memory."""
+    """N engine instances with private host pools, over one shared tier (written through, or
+    back on eviction), beside N private pools alone and one big cache of all that memory. A host
+    miss waits for the tier; a cache that prefetches instead serves what the private pools
+    serve (the prompt's pages reach the host with its store either way)."""
+    if write not in TIER_WRITES:
+        raise ValueError(f"write must be one of {', '.join(TIER_WRITES)}, not {write!r}")
     if policy not in POLICIES:
         raise ValueError(f"unknown policy {policy!r}: choose from {', '.join(POLICIES)}")
     eviction, admission = POLICIES[policy]
@@ -331,7 +340,7 @@ def replay_shared(
     args = (trace.block_ids, trace.sub_pages, trace.offsets, trace.hit_limit(keep_tokens))
     private = _core.replay_shared(*args, where, instances, host_capacity_pages, 0, eviction, admission)
     shared = _core.replay_shared(
-        *args, where, instances, host_capacity_pages, tier_capacity_pages, eviction, admission
+        *args, where, instances, host_capacity_pages, tier_capacity_pages, eviction, admission, write
     )
     big = _core.replay_policy(
         *args, instances * host_capacity_pages + tier_capacity_pages, eviction, admission
@@ -340,6 +349,7 @@ def replay_shared(
     return SharedResult(
         instances=instances,
         route=route,
+        write=write,
         host_capacity_tokens=host_capacity_pages * PAGE_TOKENS,
         tier_capacity_tokens=tier_capacity_pages * PAGE_TOKENS,
         prompt_tokens=int(trace.input_lengths.sum()),
@@ -353,19 +363,19 @@ def replay_shared(
 
 
 SHARED_HEADER = (
-    "| instances | route | host pool each (tokens) | shared tier (tokens) | private pools | "
-    "shared: host | shared: tier | shared: total | one big cache | seconds |\n"
-    "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"
+    "| instances | route | tier write | host pool each (tokens) | shared tier (tokens) | private pools | "
+    "shared: host | shared: tier | shared: total | one big cache | tier pages written | seconds |\n"
+    "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"
 )
 
 
 def format_shared_row(r: SharedResult) -> str:
     total = r.host_hit_tokens + r.tier_hit_tokens
     return (
-        f"| {r.instances} | {r.route} | {r.host_capacity_tokens:,} | {r.tier_capacity_tokens:,} "
+        f"| {r.instances} | {r.route} | {r.write} | {r.host_capacity_tokens:,} | {r.tier_capacity_tokens:,} "
         f"| {r.ratio(r.private_hit_tokens):.4f} | {r.ratio(r.host_hit_tokens):.4f} "
         f"| {r.ratio(r.tier_hit_tokens):.4f} | {r.ratio(total):.4f} | {r.ratio(r.big_cache_hit_tokens):.4f} "
-        f"| {r.seconds} |"
+        f"| {r.tier_pages_stored:,} | {r.seconds} |"
     )
 
 

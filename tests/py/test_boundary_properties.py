@@ -170,8 +170,8 @@ PROMPT = np.arange(2 * B + 1, dtype=np.int32)
 CONSTRUCTOR_KEYWORDS = [
     "block_tokens", "capacity_pages", "host_bytes", "keep_tokens", "state_bytes", "capacity_states",
     "state_lookback", "salt", "error_limit", "copier", "cuda_blocks", "cuda_staging_bytes",
-    "cuda_path", "pool_chunk_bytes", "pin_upfront", "eviction",
-    "key_bits",
+    "cuda_path", "pool_chunk_bytes", "pin_upfront", "eviction", "admission",
+    "tier", "tier_wait_ms", "tier_queue_pages", "tier_space", "key_bits",
 ]  # fmt: skip
 # Arguments a keyword's bad value may be reported under: related settings checked together.
 ALSO_NAMED = {

@@ -222,6 +222,22 @@ def test_a_shared_tier_serves_what_another_instance_stored(tmp_path: Path) -> No
     assert none.tier_hit_tokens == 0  # negative control: no tier, no tier hits
     with pytest.raises(ValueError, match="route"):
         replay.route_requests(t, 2, "random")
+    # Write-back: a page reaches the tier only when a host evicts it. Hosts of 100 pages evict
+    # nothing, so r1 finds nothing there.
+    back = replay.replay_shared(t, 2, 100, 100, route="round-robin", policy="leaf-first", write="back")
+    assert (back.tier_hit_tokens, back.tier_pages_stored) == (0, 0)
+    # Hosts of 4 pages: r2 (instance 0) evicts r0's 4 pages into the tier, where r3 (instance 1,
+    # r0's prefix) finds them (and evicts r1's, 8 written back in all); written through, the tier
+    # has every page stored anyway.
+    t4 = replay.load_trace(
+        _write(tmp_path / "four.jsonl", [(512, [1]), (512, [7]), (512, [5]), (513, [1, 9])])
+    )
+    small = replay.replay_shared(t4, 2, 4, 100, route="round-robin", policy="leaf-first", write="back")
+    assert (small.tier_pages_stored, small.tier_hit_tokens) == (8, 512)
+    thru = replay.replay_shared(t4, 2, 4, 100, route="round-robin", policy="leaf-first", write="through")
+    assert (thru.tier_pages_stored, thru.tier_hit_tokens) == (12, 512)
+    with pytest.raises(ValueError, match="write"):
+        replay.replay_shared(t, 2, 4, 100, write="around")
 
 
 def test_cli_replays_instances_over_a_shared_tier(trace_file: Path) -> None:
@@ -232,6 +248,7 @@ def test_cli_replays_instances_over_a_shared_tier(trace_file: Path) -> None:
     row = json.loads(out.stdout.splitlines()[0])
     assert row["instances"] == 2 and row["tier_capacity_tokens"] == 4096 and "shared_hit_ratio" in row
     for args in [["--instances", "2"], ["--tier", "1M"], ["--instances", "0", "--tier", "1M"],
-                 ["--instances", "2", "--tier", "1M", "--route", "random"]]:  # fmt: skip
+                 ["--instances", "2", "--tier", "1M", "--route", "random"],
+                 ["--instances", "2", "--tier", "1M", "--tier-write", "around"]]:  # fmt: skip
         bad = _cli("replay", str(trace_file), *args)
         assert bad.returncode == 2 and "hicache replay:" in bad.stderr, args

@@ -53,12 +53,16 @@ class Tier {
   virtual void release_buffers(std::span<std::byte> /*puts*/, std::span<std::byte> /*gets*/) {}
 };
 
-/// When pages reach the tier and how a host miss uses it (CacheConfig::tier).
+/// How a host miss uses the tier (CacheConfig::tier). Pages reach the tier when the host stores
+/// them (write-through), so a cache with a tier should admit every page (Admission::kAlways):
+/// measured on the Mooncake conversation trace, 4 instances of 1M tokens over a 30M tier,
+/// round-robin, that serves 0.366 of prompt tokens against 0.287 with adaptive admission (and
+/// 0.245 writing pages back on eviction instead).
 struct TierOptions {
   /// A host miss asks the tier for the rest of the prefix and waits at most this long for it
   /// (then serves what host memory had). 0: never waits; the fetch runs in the background and
   /// the pages serve the next prompt that needs them (prefetch).
-  std::int64_t wait_us = 20000;
+  std::int64_t wait_us = 50000;
   /// Pages waiting to be written to the tier; a store beyond that is dropped (counted).
   std::int64_t queue_pages = 4096;
   /// Bytes of each of the two buffers values go through (use_buffers): puts and gets move half

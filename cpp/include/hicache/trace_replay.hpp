@@ -46,15 +46,22 @@ Key replay_key(std::uint64_t block_id, std::uint32_t sub_page);
 ReplayResult replay_policy(const ReplayTrace& trace, std::int64_t capacity_pages,
                            EvictionPolicy eviction, Admission admission);
 
+/// When pages reach a shared tier.
+enum class TierWrite {
+  kThrough,  ///< each page a host stores, when it stores it (as HostPrefixCache writes its tier)
+  kBack,     ///< a page when a host evicts it
+};
+
 /// Several engine instances, each with a private host pool (`policy`, `host_capacity_pages`),
-/// over one shared tier of `tier_capacity_pages` (0: none) that every page is written through
-/// to. Request r runs on instance instance_of[r]: its host pool serves the longest cached
-/// prefix; the tier serves what it holds beyond that; the prompt is then stored in both.
+/// over one shared tier of `tier_capacity_pages` (0: none; an LRU of pages). Request r runs on
+/// instance instance_of[r]: its host pool serves the longest cached prefix, the tier the pages
+/// it holds right after that (a host miss waits for the tier), then the prompt is stored in the
+/// host and, per `write`, its pages (or those the host evicted) in the tier.
 /// @throws std::invalid_argument for a bad instance, count or capacity.
 ReplayResult replay_shared(const ReplayTrace& trace, std::span<const std::int32_t> instance_of,
                            std::int32_t instances, std::int64_t host_capacity_pages,
                            std::int64_t tier_capacity_pages, EvictionPolicy eviction,
-                           Admission admission);
+                           Admission admission, TierWrite write = TierWrite::kThrough);
 
 /// Belady: evicts the page used farthest in the future and declines a page used later than every
 /// cached one; ties go to the deeper page, so no page is evicted before its descendants.
