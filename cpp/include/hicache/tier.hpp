@@ -56,8 +56,7 @@ class Tier {
 /// How a host miss uses the tier (CacheConfig::tier). Pages reach the tier when the host stores
 /// them (write-through), so a cache with a tier should admit every page (Admission::kAlways):
 /// measured on the Mooncake conversation trace, 4 instances of 1M tokens over a 30M tier,
-/// round-robin, that serves 0.366 of prompt tokens against 0.287 with adaptive admission (and
-/// 0.245 writing pages back on eviction instead).
+/// round-robin, that serves 0.366 of prompt tokens against 0.287 with adaptive admission.
 struct TierOptions {
   /// A host miss asks the tier for the rest of the prefix and waits at most this long for it
   /// (then serves what host memory had). 0: never waits; the fetch runs in the background and
