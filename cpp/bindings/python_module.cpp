@@ -440,7 +440,8 @@ NB_MODULE(_core, m) {
         const auto ev = parse_eviction(eviction);
         const auto ad = hicache::parse_admission(admission);
         if (write != "through" && write != "back") {
-          throw std::invalid_argument("tier write must be 'through' or 'back', not '" + write + "'");
+          throw std::invalid_argument("tier write must be 'through' or 'back', not '" + write +
+                                      "'");
         }
         const auto tw = write == "back" ? hicache::TierWrite::kBack : hicache::TierWrite::kThrough;
         hicache::ReplayResult r;
@@ -455,7 +456,8 @@ NB_MODULE(_core, m) {
       "block_ids"_a.noconvert(), "sub_pages"_a.noconvert(), "offsets"_a.noconvert(),
       "hit_limit"_a.noconvert(), "instance_of"_a.noconvert(), "instances"_a,
       "host_capacity_pages"_a, "tier_capacity_pages"_a, "eviction"_a, "admission"_a,
-      "write"_a = "through", "Several instances with private host pools over one shared tier (see trace_replay.hpp).");
+      "write"_a = "through",
+      "Several instances with private host pools over one shared tier (see trace_replay.hpp).");
   m.def(
       "replay_optimum",
       [](U64s block_ids, U32s sub_pages, BlockIds offsets, BlockIds hit_limit,
