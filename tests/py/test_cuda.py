@@ -175,3 +175,31 @@ def test_a_pool_of_several_chunks_is_pinned_within_seconds_and_stores_are_not_cu
         time.sleep(0.1)
     assert stored == [80] * 8, stored
     assert cache.stats().store_skips_unpinned == 0
+
+
+@pytest.mark.parametrize("wait_ms", [1000.0, 0.0], ids=["wait", "prefetch"])
+def test_a_shared_tier_serves_a_gpu_cache_what_another_one_stored(wait_ms: float) -> None:
+    # Two engine "hosts" on one GPU with their own pinned pools share an in-memory tier: the
+    # second loads into its GPU blocks exactly what the first stored, having never seen it.
+    tier = hicache.MemoryTier()
+    kv_a = [random_(torch.empty(16, B, 8, 128, dtype=torch.bfloat16, device="cuda")) for _ in range(4)]
+    kv_b = [torch.zeros_like(t) for t in kv_a]
+    a = hicache.HostPrefixCache(kv_a, block_tokens=B, capacity_pages=16, tier=tier)
+    b = hicache.HostPrefixCache(kv_b, block_tokens=B, capacity_pages=16, tier=tier, tier_wait_ms=wait_ms)
+    prompt = torch.arange(6 * B + 5, dtype=torch.int32)
+    assert a.store("a", prompt, list(range(7))) == 6
+    torch.cuda.synchronize()
+    a.flush_tier()
+    assert a.stats().tier_pages_written == 6 and len(tier) == 6
+    target = list(range(10, 16))
+    got = b.try_resume("b", prompt, lambda n: target[: n // B])
+    if wait_ms == 0:  # prefetch: a host miss now, served from host memory next time
+        assert got == 0
+        b.flush_tier()
+        got = b.try_resume("b2", prompt, lambda n: target[: n // B])
+    torch.cuda.synchronize()
+    assert got == 6 * B
+    assert all(
+        torch.equal(x, y) for x, y in zip(pages(kv_a, list(range(6))), pages(kv_b, target), strict=True)
+    )
+    assert b.stats().tier_pages_fetched == 6 and b.stats().tier_pages_rejected == 0
