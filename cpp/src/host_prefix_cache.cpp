@@ -29,11 +29,6 @@ void copy_state(Copier& copier, Direction dir, const StateBuffers& state, std::b
   }
 }
 
-std::shared_ptr<Copier> default_copier(Device device) {
-  if (device.kind == DeviceKind::kCpu) return std::make_shared<CpuCopier>();
-  return make_cuda_copier(device.index);
-}
-
 bool same_tokens(const std::vector<std::int32_t>& a, std::span<const std::int32_t> b) {
   return a.size() == b.size() && std::equal(a.begin(), a.end(), b.begin());
 }
@@ -42,25 +37,18 @@ bool same_tokens(const std::vector<std::int32_t>& a, std::span<const std::int32_
 
 HostPrefixCache::HostPrefixCache(std::vector<Segment> segments, Device device, CacheConfig config,
                                  std::shared_ptr<Copier> copier, std::shared_ptr<Tier> tier)
-    : layout_(std::move(segments), device),
-      config_(config.normalized()),
+    : config_(config.normalized()),
       state_parts_(config_.state_part_bytes()),
-      copier_(copier ? std::move(copier) : default_copier(device)),
-      pages_(config_.capacity_pages, config_.eviction),
-      states_(config_.state_bytes > 0 ? config_.capacity_states : 0),
-      admission_(make_admission_policy(config_.admission, config_.capacity_pages)) {
-  if (!copier_->supports(device)) {
-    throw std::invalid_argument("the copier cannot reach segments on " + device.str());
-  }
-  copier_->bind(layout_);
-  auto alloc = copier_->host_allocator();
-  // Pinning is slow: such pools are pinned at start-up, or in the background from start-up on,
-  // off the engine's thread (see CacheConfig::pin_upfront).
+      // Pinning is slow: pinned pools are pinned at start-up, or in the background from
+      // start-up on, off the engine's thread (see CacheConfig::pin_upfront).
+      mover_(std::move(segments), device, config_.capacity_pages, std::move(copier), nullptr,
+             config_.pool_chunk_bytes, !config_.pin_upfront),
+      catalog_({config_.capacity_pages, config_.eviction, config_.admission}),
+      states_(config_.state_bytes > 0 ? config_.capacity_states : 0) {
+  auto alloc = mover_.copier().host_allocator();
   const auto growth = !alloc->allocation_is_slow() ? HostPool::Growth::kOnDemand
                       : config_.pin_upfront        ? HostPool::Growth::kUpFront
                                                    : HostPool::Growth::kBackground;
-  page_pool_ = std::make_unique<HostPool>(layout_.page_bytes(), config_.capacity_pages,
-                                          config_.pool_chunk_bytes, alloc, growth);
   if (config_.state_bytes > 0) {
     state_pool_ = std::make_unique<HostPool>(static_cast<std::size_t>(config_.state_bytes),
                                              config_.capacity_states, config_.pool_chunk_bytes,
@@ -68,9 +56,11 @@ HostPrefixCache::HostPrefixCache(std::vector<Segment> segments, Device device, C
   }
   if (tier) {
     admit_all_ = make_admission_policy(Admission::kAlways, config_.capacity_pages);
-    tier_space_ = tier_space(config_.tier.space, layout_, config_.block_tokens, config_.key_bits);
+    tier_space_ =
+        tier_space(config_.tier.space, mover_.layout(), config_.block_tokens, config_.key_bits);
     link_ = std::make_unique<TierLink>(
-        std::move(tier), config_.tier, tier_space_, layout_.page_bytes(), config_.block_tokens,
+        std::move(tier), config_.tier, tier_space_, mover_.layout().page_bytes(),
+        config_.block_tokens,
         [this](const std::vector<Entry*>& entries) {
           std::lock_guard<std::mutex> g(mu_);
           for (Entry* e : entries) pages_.unpin(e);
@@ -141,7 +131,7 @@ void HostPrefixCache::note_error(const std::string& what) {
 HostPrefixCache::Transfer* HostPrefixCache::register_transfer(Transfer t, StreamHandle stream,
                                                               bool failed) {
   try {
-    t.fence = copier_->record(stream);
+    t.fence = mover_.copier().record(stream);
   } catch (const Error& e) {
     // Without a fence nobody can tell when the enqueued copies finish: the entries stay held so
     // their slots are never reused under a copy.
@@ -184,7 +174,7 @@ void HostPrefixCache::write_to_tier(Transfer& t) {
   for (std::size_t j = 0; j < t.pages.size(); ++j) {
     Entry* e = t.pages[j];
     pages_.pin(e);  // until its bytes are copied out
-    puts.push_back({e, e->key, t.parents[j], e->tokens, page_pool_->slot(e->slot)});
+    puts.push_back({e, e->key, t.parents[j], e->tokens, mover_.pool().slot(e->slot)});
   }
   if (!link_->offer(puts)) {
     for (Entry* e : t.pages) pages_.unpin(e);
@@ -208,7 +198,7 @@ std::int64_t HostPrefixCache::adopt_fetched(std::span<const Key> keys,
       pages_, *admit_all_, next_serial_, keys.first(from + pages.size()), root, StaleKeys::kReplace,
       w, [&](std::size_t i, const Entry* e) { return same_tokens(e->tokens, tokens_of(i)); },
       [&](std::size_t i, Entry* e) {
-        std::byte* host = host_slot(*page_pool_, e->slot, unpinned);
+        std::byte* host = host_slot(mover_.pool(), e->slot, unpinned);
         if (host == nullptr) return false;
         const std::span<const std::byte> page = pages[i - from];
         std::memcpy(host, page.data(), page.size());
@@ -267,7 +257,8 @@ std::int64_t HostPrefixCache::try_resume(std::string_view request_id,
       throw std::invalid_argument("try_resume: this cache stores model state (state_bytes=" +
                                   std::to_string(config_.state_bytes) + "); pass state_out");
     }
-    check_state_buffers(*state_out, state_parts_, layout_.device(), "try_resume: state_out");
+    check_state_buffers(*state_out, state_parts_, mover_.layout().device(),
+                        "try_resume: state_out");
   }
   const std::int64_t B = config_.block_tokens;
   const auto n_prompt = static_cast<std::int64_t>(prompt.size());
@@ -382,8 +373,8 @@ std::int64_t HostPrefixCache::try_resume(std::string_view request_id,
                                   " block ids; expected " + std::to_string(h) + " (one per " +
                                   std::to_string(B) + "-token page)");
     }
-    layout_.check_blocks(*blocks, /*require_unique=*/true,
-                         "allocate(" + std::to_string(tokens) + ")'s result");
+    mover_.layout().check_blocks(*blocks, /*require_unique=*/true,
+                                 "allocate(" + std::to_string(tokens) + ")'s result");
   } catch (...) {
     release();
     throw;
@@ -401,10 +392,10 @@ std::int64_t HostPrefixCache::try_resume(std::string_view request_id,
   try {
     std::vector<PageMove> moves(h);
     for (std::size_t i = 0; i < h; ++i)
-      moves[i] = {(*blocks)[i], page_pool_->slot(matched[i]->slot)};
-    copier_->copy_pages(Direction::kToDevice, layout_, moves, stream);
+      moves[i] = {(*blocks)[i], mover_.pool().slot(matched[i]->slot)};
+    mover_.copy(Direction::kToDevice, moves, stream);
     if (state) {
-      copy_state(*copier_, Direction::kToDevice, *state_out, state_pool_->slot(state->slot),
+      copy_state(mover_.copier(), Direction::kToDevice, *state_out, state_pool_->slot(state->slot),
                  stream);
     }
   } catch (const Error& e) {
@@ -438,8 +429,8 @@ std::int64_t HostPrefixCache::store(std::string_view request_id,
                                 std::to_string(n_full) + " full blocks but only " +
                                 std::to_string(block_ids.size()) + " block_ids were given");
   }
-  layout_.check_blocks(block_ids.first(static_cast<std::size_t>(n_full)), false,
-                       "store: block_ids");
+  mover_.layout().check_blocks(block_ids.first(static_cast<std::size_t>(n_full)), false,
+                               "store: block_ids");
   const std::string_view chain_salt = salt.value_or(std::string_view(config_.salt));
   const std::vector<Key> keys =
       chain_keys(chain_salt, tokens, B, INT64_MAX, config_.key_bits);  // outside the lock
@@ -449,7 +440,7 @@ std::int64_t HostPrefixCache::store(std::string_view request_id,
   note_request(request_id);
   if (disabled_) return 0;
   ++stats_.stores;
-  admission_->observe(std::span<const Key>(keys).first(static_cast<std::size_t>(n_full)));
+  admission_.observe(std::span<const Key>(keys).first(static_cast<std::size_t>(n_full)));
 
   // Transfers of this call stay open (never retired, so never published) until it returns; if
   // it throws (a state buffer of the wrong size, an exception from state_export), they are
@@ -470,7 +461,7 @@ std::int64_t HostPrefixCache::store(std::string_view request_id,
   bool unpinned = false;  // stopped at a slot whose memory is not pinned yet
   StoreWalk w;            // w.chain: every page of the prompt's chain now in the index
   walk_store(
-      pages_, *admission_, next_serial_,
+      pages_, admission_, next_serial_,
       std::span<const Key>(keys).first(static_cast<std::size_t>(n_full)),
       n_full > 0 ? intern_root(chain_salt) : 0, StaleKeys::kReplace, w,
       [&](std::size_t i, const Entry* e) {
@@ -478,7 +469,7 @@ std::int64_t HostPrefixCache::store(std::string_view request_id,
                                                      static_cast<std::size_t>(B)));
       },
       [&](std::size_t i, Entry* e) {
-        std::byte* host = host_slot(*page_pool_, e->slot, unpinned);
+        std::byte* host = host_slot(mover_.pool(), e->slot, unpinned);
         if (host == nullptr) return false;
         const auto page =
             tokens.subspan(i * static_cast<std::size_t>(B), static_cast<std::size_t>(B));
@@ -499,7 +490,7 @@ std::int64_t HostPrefixCache::store(std::string_view request_id,
   if (!moves.empty()) {
     bool failed = false;
     try {
-      copier_->copy_pages(Direction::kToHost, layout_, moves, stream);
+      mover_.copy(Direction::kToHost, moves, stream);
     } catch (const Error& err) {
       note_error(err.what());
       failed = true;
@@ -564,7 +555,7 @@ bool HostPrefixCache::store_state(std::string_view request_id, const Key& key,
   lock.lock();
   if (!buf) return true;  // the engine's state ring no longer reaches this position
   try {
-    check_state_buffers(*buf, state_parts_, layout_.device(),
+    check_state_buffers(*buf, state_parts_, mover_.layout().device(),
                         "state_export(" + std::to_string(position) + ")", "must return");
   } catch (const std::invalid_argument& e) {
     throw std::invalid_argument(std::string(e.what()) + "; nothing was stored");
@@ -593,7 +584,7 @@ bool HostPrefixCache::store_state(std::string_view request_id, const Key& key,
   t.states.push_back(e);
   bool failed = false;
   try {
-    copy_state(*copier_, Direction::kToHost, *buf, host, stream);
+    copy_state(mover_.copier(), Direction::kToHost, *buf, host, stream);
   } catch (const Error& err) {
     note_error(err.what());
     failed = true;
@@ -638,11 +629,11 @@ CacheStats HostPrefixCache::stats() const {
   s.states_used = states_.size();
   s.states_capacity = states_.capacity();
   s.states_busy = states_.busy();
-  s.host_bytes = static_cast<std::int64_t>(page_pool_->allocated_bytes() +
+  s.host_bytes = static_cast<std::int64_t>(mover_.pool().allocated_bytes() +
                                            (state_pool_ ? state_pool_->allocated_bytes() : 0));
   s.requests = static_cast<std::int64_t>(requests_.size());
   s.salts = static_cast<std::int64_t>(roots_.size());
-  s.admitting_second_sightings_only = admission_->wants_second_sighting();
+  s.admitting_second_sightings_only = admission_.wants_second_sighting();
   if (link_) link_->add_stats(s);
   return s;
 }

@@ -80,7 +80,7 @@ std::shared_ptr<HostAllocator> make_shared_memory_allocator(const std::string& n
 
 SlotMover::SlotMover(std::vector<Segment> segments, Device device, std::int64_t num_slots,
                      std::shared_ptr<Copier> copier, std::shared_ptr<HostAllocator> memory,
-                     std::size_t chunk_bytes)
+                     std::size_t chunk_bytes, bool pin_in_background)
     : layout_(std::move(segments), device),
       copier_(copier ? std::move(copier) : default_copier(device)) {
   if (!copier_->supports(device)) {
@@ -95,8 +95,10 @@ SlotMover::SlotMover(std::vector<Segment> segments, Device device, std::int64_t 
   } else if (device.kind == DeviceKind::kCuda) {
     memory = make_cuda_registered_allocator(std::move(memory));  // DMA needs pinned memory
   }
-  const auto growth =
-      memory->allocation_is_slow() ? HostPool::Growth::kUpFront : HostPool::Growth::kOnDemand;
+  // Pinning is slow (about 10 GB/s): at construction, or from construction on in the background.
+  const auto growth = !memory->allocation_is_slow() ? HostPool::Growth::kOnDemand
+                      : pin_in_background           ? HostPool::Growth::kBackground
+                                                    : HostPool::Growth::kUpFront;
   pool_ = std::make_unique<HostPool>(layout_.page_bytes(), num_slots, chunk_bytes,
                                      std::move(memory), growth);
 }

@@ -96,6 +96,16 @@ class BlockCatalog {
   /// Forgets every idle block (pending ones stay until completed). @return blocks removed.
   std::int64_t clear();
 
+  /// For a front end that walks exact chains under its own lock (HostPrefixCache, whose entries
+  /// also carry their tokens and whose keys hash a salt): the index, the admission policy and
+  /// fresh serials, used with chain_walk.hpp's walks as the methods above use them. Not
+  /// synchronized: mixing these with the methods above needs the front end's own care.
+  PrefixIndex& index() { return index_; }
+  const PrefixIndex& index() const { return index_; }
+  AdmissionPolicy& admission() { return *admission_; }
+  const AdmissionPolicy& admission() const { return *admission_; }
+  std::uint64_t& next_serial() { return next_serial_; }
+
  private:
   mutable std::mutex mu_;
   PrefixIndex index_;

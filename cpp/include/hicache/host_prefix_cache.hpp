@@ -19,12 +19,14 @@
 #include <vector>
 
 #include "hicache/admission_policy.hpp"
+#include "hicache/block_catalog.hpp"
 #include "hicache/cache_config.hpp"
 #include "hicache/cache_stats.hpp"
 #include "hicache/copier.hpp"
 #include "hicache/host_pool.hpp"
 #include "hicache/page_layout.hpp"
 #include "hicache/prefix_index.hpp"
+#include "hicache/slot_mover.hpp"
 #include "hicache/state_buffers.hpp"
 #include "hicache/tier.hpp"
 
@@ -102,9 +104,9 @@ class HostPrefixCache {
   void forget(std::string_view request_id);
 
   CacheStats stats() const;
-  const PageLayout& layout() const { return layout_; }
+  const PageLayout& layout() const { return mover_.layout(); }
   /// How pages move between the engine and host memory (Copier::path()).
-  const char* copy_path() const { return copier_->path(); }
+  const char* copy_path() const { return mover_.copy_path(); }
   const CacheConfig& config() const { return config_; }
 
   /// Tests: keys of cached pages, least recently used first.
@@ -156,17 +158,20 @@ class HostPrefixCache {
                    std::unique_lock<std::mutex>& lock, std::vector<Transfer*>& opened,
                    bool& unpinned);
 
-  PageLayout layout_;
   CacheConfig config_;
   std::vector<std::int64_t> state_parts_;  // bytes of each part of a state
-  std::shared_ptr<Copier> copier_;
-  std::unique_ptr<HostPool> page_pool_;
+  // The copier half (the engine's segments, the page pool and the copier) and the index half
+  // (pages, admission, eviction, serials) of the split API: try_resume and store are the
+  // one-call form of their steps. The catalog's index is used under mu_ (entries carry tokens).
+  SlotMover mover_;
+  BlockCatalog catalog_;
+  PrefixIndex& pages_ = catalog_.index();
+  AdmissionPolicy& admission_ = catalog_.admission();  // pages only: states follow their pages
+  std::uint64_t& next_serial_ = catalog_.next_serial();
   std::unique_ptr<HostPool> state_pool_;
 
   mutable std::mutex mu_;
-  PrefixIndex pages_;
   PrefixIndex states_;
-  std::unique_ptr<AdmissionPolicy> admission_;  // pages only: states follow their pages
   std::list<Transfer> transfers_;
   std::unordered_map<std::string, std::int64_t> requests_;  // id -> transfers in flight
   struct StringHash {
@@ -176,7 +181,6 @@ class HostPrefixCache {
   // salt -> root serial, for salts that some page 0 uses (swept in intern_root)
   std::unordered_map<std::string, std::uint64_t, StringHash, std::equal_to<>> roots_;
   std::size_t roots_sweep_at_ = 64;
-  std::uint64_t next_serial_ = 1;
   std::int64_t consecutive_errors_ = 0;
   bool disabled_ = false;
   CacheStats stats_;

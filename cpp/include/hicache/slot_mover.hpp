@@ -38,11 +38,14 @@ class SlotMover {
   /// @param num_slots the pool's slots, one page (layout's page bytes) each.
   /// @param copier nullptr: the CPU copier for CPU segments, the CUDA copier for CUDA ones.
   /// @param memory where slots live; nullptr: the copier's own (pinned for CUDA).
+  /// @param pin_in_background memory that is slow to allocate (pinned) is allocated chunk after
+  ///        chunk by a background thread from construction on, and a slot whose chunk is not
+  ///        there yet has no address (slot_address() is nullptr); false: all of it at once.
   /// @throws std::invalid_argument for a bad layout or segments the copier cannot reach.
   SlotMover(std::vector<Segment> segments, Device device, std::int64_t num_slots,
             std::shared_ptr<Copier> copier = nullptr,
             std::shared_ptr<HostAllocator> memory = nullptr,
-            std::size_t chunk_bytes = std::size_t{1} << 30);
+            std::size_t chunk_bytes = std::size_t{1} << 30, bool pin_in_background = false);
   /// Waits for every job in flight.
   ~SlotMover();
   SlotMover(const SlotMover&) = delete;
@@ -63,8 +66,20 @@ class SlotMover {
   const PageLayout& layout() const { return layout_; }
   std::int64_t num_slots() const { return pool_->num_slots(); }
   const char* copy_path() const { return copier_->path(); }
-  /// Address of a slot's page (tests; the bytes are the segments' blocks concatenated).
+  /// Address of a slot's page (the bytes are the segments' blocks concatenated): nullptr while
+  /// its memory is being pinned in the background. @throws hicache::Error if that failed.
   std::byte* slot_address(std::int64_t slot) { return pool_->slot(slot); }
+
+  /// For a front end that tracks completion itself (HostPrefixCache: a transfer of pages and
+  /// state under one fence): the copier, bound to the layout, and the pool.
+  Copier& copier() { return *copier_; }
+  HostPool& pool() { return *pool_; }
+  const HostPool& pool() const { return *pool_; }
+  /// Enqueues page copies between host addresses (of this pool's slots) and blocks, without a
+  /// job. @throws as Copier::copy_pages.
+  void copy(Direction dir, std::span<const PageMove> moves, StreamHandle stream) {
+    copier_->copy_pages(dir, layout_, moves, stream);
+  }
 
  private:
   struct Job {
