@@ -39,6 +39,15 @@ COUNTERS: dict[str, str] = {
     "states_stored": "hybrid-model states written to host memory",
     "states_loaded": "hybrid-model states copied back",
     "errors": "cache failures (the cache disables itself after too many in a row)",
+    # a shared tier (HostPrefixCache(tier=...))
+    "tier_pages_written": "pages the shared tier confirmed",
+    "tier_pages_dropped": "pages not written to the tier: its write queue was full",
+    "tier_pages_fetched": "pages fetched from the tier into host memory",
+    "tier_hit_tokens": "prompt tokens served that came from the tier",
+    "tier_pages_missing": "pages asked of the tier that it did not have",
+    "tier_pages_rejected": "values from the tier that were not exactly the page asked for (never served)",
+    "tier_fetches_late": "tier fetches cut short by their deadline",
+    "tier_errors": "failed tier calls (the cache goes on without them)",
     # BlockCatalog (the index half, e.g. vLLM's manager)
     "lookup_hits": "block lookups that found a loadable block",
     "blocks_loaded": "blocks handed out for loading",

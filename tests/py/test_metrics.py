@@ -32,6 +32,25 @@ def test_counters_gauges_and_latency_histograms_reach_prometheus() -> None:
     assert sum(s.load_latency["counts"]) == 1 and s.load_latency["sum_us"] > 0
 
 
+def test_a_shared_tier_is_counted() -> None:
+    tier = hicache.MemoryTier()
+    kv_a, kv_b = np.ones((8, 16), np.float32), np.zeros((8, 16), np.float32)
+    a = hicache.HostPrefixCache(kv_a, block_tokens=16, capacity_pages=8, tier=tier)
+    b = hicache.HostPrefixCache(kv_b, block_tokens=16, capacity_pages=8, tier=tier)
+    prompt = np.arange(40, dtype=np.int32)
+    a.store("a", prompt, list(range(8)))
+    a.poll()
+    a.flush_tier()
+    assert b.try_resume("b", prompt, lambda n: list(range(n // 16))) == 32
+    registry = CollectorRegistry()
+    registry.register(HicacheCollector(a, labels={"host": "a"}))
+    registry.register(HicacheCollector(b, labels={"host": "b"}))
+    text = generate_latest(registry).decode()
+    assert 'hicache_tier_pages_written_total{host="a"} 2.0' in text
+    assert 'hicache_tier_pages_fetched_total{host="b"} 2.0' in text
+    assert 'hicache_tier_hit_tokens_total{host="b"} 32.0' in text
+
+
 def test_a_discarded_store_is_not_a_latency_sample() -> None:
     kv = np.zeros((8, 16), np.float32)
     cache = hicache.HostPrefixCache(kv, block_tokens=16, capacity_pages=8, copier="deferred")
