@@ -242,16 +242,16 @@ struct PyTier final : hicache::Tier {
         call("poll", nb::detail::str_hash("poll"), batch));
   }
   void use_buffers(std::span<std::byte> puts, std::span<std::byte> gets) override {
-    nb::gil_scoped_acquire g;
-    nb::detail::ticket t(nb_trampoline, "use_buffers", nb::detail::str_hash("use_buffers"), false);
-    if (!t.key.is_valid()) return;  // optional in Python
-    nb_trampoline.base().attr(t.key)(reinterpret_cast<std::uintptr_t>(puts.data()), puts.size(),
-                                     reinterpret_cast<std::uintptr_t>(gets.data()), gets.size());
+    buffers("use_buffers", nb::detail::str_hash("use_buffers"), puts, gets);
   }
   void release_buffers(std::span<std::byte> puts, std::span<std::byte> gets) override {
+    buffers("release_buffers", nb::detail::str_hash("release_buffers"), puts, gets);
+  }
+  // The buffer hooks are optional in Python: the base class's own does nothing.
+  void buffers(const char* name, std::uint64_t hash, std::span<std::byte> puts,
+               std::span<std::byte> gets) {
     nb::gil_scoped_acquire g;
-    nb::detail::ticket t(nb_trampoline, "release_buffers", nb::detail::str_hash("release_buffers"),
-                         false);
+    nb::detail::ticket t(nb_trampoline, name, hash, false);
     if (!t.key.is_valid()) return;
     nb_trampoline.base().attr(t.key)(reinterpret_cast<std::uintptr_t>(puts.data()), puts.size(),
                                      reinterpret_cast<std::uintptr_t>(gets.data()), gets.size());

@@ -46,9 +46,7 @@ HostPrefixCache::HostPrefixCache(std::vector<Segment> segments, Device device, C
       catalog_({config_.capacity_pages, config_.eviction, config_.admission}),
       states_(config_.state_bytes > 0 ? config_.capacity_states : 0) {
   auto alloc = mover_.copier().host_allocator();
-  const auto growth = !alloc->allocation_is_slow() ? HostPool::Growth::kOnDemand
-                      : config_.pin_upfront        ? HostPool::Growth::kUpFront
-                                                   : HostPool::Growth::kBackground;
+  const auto growth = HostPool::growth_for(*alloc, !config_.pin_upfront);
   if (config_.state_bytes > 0) {
     state_pool_ = std::make_unique<HostPool>(static_cast<std::size_t>(config_.state_bytes),
                                              config_.capacity_states, config_.pool_chunk_bytes,
@@ -187,25 +185,25 @@ std::int64_t HostPrefixCache::adopt_fetched(std::span<const Key> keys,
                                             std::span<const std::span<const std::byte>> pages) {
   const auto B = static_cast<std::size_t>(config_.block_tokens);
   const auto tokens_of = [&](std::size_t i) { return prompt.subspan(i * B, B); };
+  const auto same = [&](std::size_t i, const Entry* e) {
+    return same_tokens(e->tokens, tokens_of(i));
+  };
   const std::uint64_t root = intern_root(salt);
   StoreWalk w;
-  walk_cached(pages_, keys, from, root, w.chain,
-              [&](std::size_t i, const Entry* e) { return same_tokens(e->tokens, tokens_of(i)); });
+  walk_cached(pages_, keys, from, root, w.chain, same);
   if (w.chain.size() < from) return 0;  // the pages before them were evicted meanwhile
   bool unpinned = false;
   const std::size_t before = w.chain.size();
-  walk_store(
-      pages_, *admit_all_, next_serial_, keys.first(from + pages.size()), root, StaleKeys::kReplace,
-      w, [&](std::size_t i, const Entry* e) { return same_tokens(e->tokens, tokens_of(i)); },
-      [&](std::size_t i, Entry* e) {
-        std::byte* host = host_slot(mover_.pool(), e->slot, unpinned);
-        if (host == nullptr) return false;
-        const std::span<const std::byte> page = pages[i - from];
-        std::memcpy(host, page.data(), page.size());
-        const auto toks = tokens_of(i);
-        e->tokens.assign(toks.begin(), toks.end());
-        return true;
-      });
+  walk_store(pages_, *admit_all_, next_serial_, keys.first(from + pages.size()), root,
+             StaleKeys::kReplace, w, same, [&](std::size_t i, Entry* e) {
+               std::byte* host = host_slot(mover_.pool(), e->slot, unpinned);
+               if (host == nullptr) return false;
+               const std::span<const std::byte> page = pages[i - from];
+               std::memcpy(host, page.data(), page.size());
+               const auto toks = tokens_of(i);
+               e->tokens.assign(toks.begin(), toks.end());
+               return true;
+             });
   for (Entry* e : w.fresh) {  // copied by this thread: complete now
     e->ready = true;
     pages_.unpin(e);
@@ -314,15 +312,12 @@ std::int64_t HostPrefixCache::try_resume(std::string_view request_id,
       extend_chain_keys(keys, chain_salt, prompt, B, max_pages, config_.key_bits);
       const auto deadline =
           TierLink::Clock::now() + std::chrono::microseconds(config_.tier.wait_us);
-      {
-        TierLink::Fetch fetch = link_->fetch(keys, prompt, chain_salt, from_tier, deadline);
-        for (TierLink::Run run = fetch.next(); !run.pages.empty(); run = fetch.next()) {
-          lock.lock();
-          const std::int64_t adopted = adopt_fetched(keys, prompt, chain_salt, run.from, run.pages);
-          lock.unlock();
-          if (adopted < static_cast<std::int64_t>(run.pages.size()) || !run.complete) break;
-        }
-      }
+      link_->fetch_into(
+          keys, prompt, chain_salt, from_tier, deadline,
+          [&](std::size_t from, std::span<const std::span<const std::byte>> pages) {
+            const std::lock_guard<std::unique_lock<std::mutex>> g(lock);
+            return static_cast<std::size_t>(adopt_fetched(keys, prompt, chain_salt, from, pages));
+          });
       lock.lock();
       if (disabled_) return 0;
       matched.clear();  // the lock was released: walk again

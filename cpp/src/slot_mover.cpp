@@ -96,9 +96,7 @@ SlotMover::SlotMover(std::vector<Segment> segments, Device device, std::int64_t 
     memory = make_cuda_registered_allocator(std::move(memory));  // DMA needs pinned memory
   }
   // Pinning is slow (about 10 GB/s): at construction, or from construction on in the background.
-  const auto growth = !memory->allocation_is_slow() ? HostPool::Growth::kOnDemand
-                      : pin_in_background           ? HostPool::Growth::kBackground
-                                                    : HostPool::Growth::kUpFront;
+  const auto growth = HostPool::growth_for(*memory, pin_in_background);
   pool_ = std::make_unique<HostPool>(layout_.page_bytes(), num_slots, chunk_bytes,
                                      std::move(memory), growth);
 }

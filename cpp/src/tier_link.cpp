@@ -172,9 +172,18 @@ void TierLink::write(std::vector<PutPage>& pages) {
 
 void TierLink::prefetch_now(FetchJob& job) {
   job.keys = chain_keys(job.salt, job.prompt, block_tokens_, job.max_pages, job.key_bits);
-  Fetch f = fetch(job.keys, job.prompt, job.salt, job.from, Clock::now() + kPrefetchDeadline);
+  fetch_into(job.keys, job.prompt, job.salt, job.from, Clock::now() + kPrefetchDeadline,
+             [&](std::size_t from, std::span<const std::span<const std::byte>> pages) {
+               return adopt_(job, from, pages);
+             });
+}
+
+void TierLink::fetch_into(std::span<const Key> keys, std::span<const std::int32_t> prompt,
+                          std::string_view salt, std::size_t from, Clock::time_point deadline,
+                          const Take& take) {
+  Fetch f = fetch(keys, prompt, salt, from, deadline);
   for (Run run = f.next(); !run.pages.empty(); run = f.next()) {
-    if (adopt_(job, run.from, run.pages) < run.pages.size() || !run.complete) break;
+    if (take(run.from, run.pages) < run.pages.size() || !run.complete) break;
   }
 }
 

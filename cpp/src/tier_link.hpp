@@ -33,7 +33,7 @@ class TierLink {
     Entry* entry = nullptr;  ///< pinned by the cache until released
     Key key;
     Key parent;  ///< previous page's key, or the salt's digest for page 0
-    std::vector<std::int32_t> tokens;
+    std::span<const std::int32_t> tokens;  ///< the entry's own: valid while it is pinned
     const std::byte* page = nullptr;
   };
   /// A verified run of pages, in prompt order: views into the get buffer, valid until the
@@ -74,6 +74,13 @@ class TierLink {
   /// Starts fetching keys[from..) for `prompt` under `salt` (see Fetch).
   Fetch fetch(std::span<const Key> keys, std::span<const std::int32_t> prompt,
               std::string_view salt, std::size_t from, Clock::time_point deadline);
+  /// Hands a fetch's runs to `take` (which returns how many of a run's pages it kept) until one
+  /// is not kept whole or the fetch is over.
+  using Take = std::function<std::size_t(std::size_t from,
+                                         std::span<const std::span<const std::byte>> pages)>;
+  void fetch_into(std::span<const Key> keys, std::span<const std::int32_t> prompt,
+                  std::string_view salt, std::size_t from, Clock::time_point deadline,
+                  const Take& take);
   /// Fetches in the background and hands the pages to `adopt`. false if the queue is full.
   bool prefetch(FetchJob job);
   /// Waits until the queue is empty and nothing is in flight (tests, shutdown).

@@ -30,8 +30,8 @@ import hicache
 
 B = 16  # tokens per block (and per prefill chunk)
 
-# The model's cache keyword and output field: "cache" in transformers 5.24 (the test pin),
-# "past_key_values" in older releases.
+# The model's cache keyword and output field: "cache" in transformers 5.24 (the test pin, which
+# deprecates "past_key_values" for removal in 5.40), "past_key_values" in older releases.
 _FORWARD_ARGS = inspect.signature(transformers.LlamaForCausalLM.forward).parameters
 CACHE = "cache" if "cache" in _FORWARD_ARGS else "past_key_values"
 

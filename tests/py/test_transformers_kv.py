@@ -7,8 +7,6 @@ original cache and from a full recompute.
 
 from __future__ import annotations
 
-import inspect
-
 import pytest
 
 import hicache
@@ -16,11 +14,9 @@ import hicache
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from hf_hybrid import CACHE  # noqa: E402  (the model's cache keyword in this transformers)
+
 B = 16
-# The model's KV cache keyword and output field: "cache" in newer transformers (5.24, the test
-# pin, deprecates "past_key_values" for removal in 5.40), "past_key_values" in older ones.
-_FORWARD_ARGS = inspect.signature(transformers.LlamaForCausalLM.forward).parameters
-CACHE = "cache" if "cache" in _FORWARD_ARGS else "past_key_values"
 
 
 def greedy(model, ids: torch.Tensor, past, steps: int) -> list[int]:

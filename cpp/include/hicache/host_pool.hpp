@@ -57,6 +57,12 @@ class HostPool {
  public:
   static constexpr std::size_t kSlotAlign = 256;
   enum class Growth { kOnDemand, kBackground, kUpFront };
+  /// Memory that is fast to allocate grows on demand; slow (pinned) memory is allocated in the
+  /// background from construction on, or all of it up front.
+  static Growth growth_for(const HostAllocator& memory, bool in_background) {
+    if (!memory.allocation_is_slow()) return Growth::kOnDemand;
+    return in_background ? Growth::kBackground : Growth::kUpFront;
+  }
 
   /// @param chunk_bytes target size of one allocation; a chunk holds at least one slot.
   /// @throws std::invalid_argument for zero sizes; hicache::Error if kBackground or kUpFront
