@@ -32,7 +32,7 @@ class TierLink {
   struct PutPage {
     Entry* entry = nullptr;  ///< pinned by the cache until released
     Key key;
-    Key parent;  ///< previous page's key, or the salt's digest for page 0
+    Key parent;                            ///< previous page's key, or the salt's digest for page 0
     std::span<const std::int32_t> tokens;  ///< the entry's own: valid while it is pinned
     const std::byte* page = nullptr;
   };
