@@ -14,6 +14,10 @@
 #   paths       bench/layouts.py with every copy path forced (each path's limit per layout)
 #   bench-lowlevel  the C++ transfer benchmark (copier against cudaMemcpy variants, pinning)
 #   demo        hicache demo with a Llama-3-8B-shaped model, 8K-26K-token conversations
+#   layerwise   bench/layerwise.py: convoys (a 1K-token load beside a 100K-token one) and the
+#               load-or-recompute decision on a throttled link
+#   agentic     hicache demo with the Llama-3-8B shape: the agentic workload (contexts of ~32K
+#               tokens) without the cache, with it, and layer by layer; and 32K-token conversations
 #   soak-start  start bench/soak.py --device cuda detached (setsid), so it outlives this call
 #               (a call may run 10 minutes at most); later steps run beside it
 #   soak-wait   wait for it (in a later call on the same warm machine) and keep its log
@@ -109,6 +113,20 @@ demo)
   run demo-8b python3 -m hicache.cli demo --device cuda --model llama3-8b --conversations 2 --turns 4 \
     --first-tokens 8192 --user-tokens 6000 --new-tokens 4 --cache-pages 640 --prefill-chunk 2048
   cp "$LOGS/demo-8b.log" "$OUT/demo_8b.md"
+  ;;
+layerwise)
+  run bench-convoy python3 bench/layerwise.py convoy
+  cp "$LOGS/bench-convoy.log" "$OUT/bench_convoy.md"
+  run bench-decide python3 bench/layerwise.py decide
+  cp "$LOGS/bench-decide.log" "$OUT/bench_decide.md"
+  ;;
+agentic)
+  run demo-agentic python3 -m hicache.cli demo --device cuda --model llama3-8b --workload agentic \
+    --layerwise --cache-pages 1200 --prefill-chunk 2048
+  cp "$LOGS/demo-agentic.log" "$OUT/demo_agentic.md"
+  run demo-32k python3 -m hicache.cli demo --device cuda --model llama3-8b --conversations 2 --turns 4 \
+    --first-tokens 32768 --user-tokens 512 --new-tokens 4 --cache-pages 1200 --prefill-chunk 2048
+  cp "$LOGS/demo-32k.log" "$OUT/demo_32k.md"
   ;;
 soak-start)
   rm -rf $soak_dir && mkdir -p $soak_dir

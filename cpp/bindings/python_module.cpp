@@ -109,6 +109,7 @@ std::pair<std::vector<hicache::Segment>, hicache::Device> segments_of(
 // destroyed in reverse order: the cache (which waits for transfers) before the tensors.
 struct PyCache {
   std::vector<nb::ndarray<>> segments;
+  nb::object prefill_seconds;  // the engine's callable, called by the cache (see make_cache)
   std::shared_ptr<hicache::DeferredCopier> deferred;
   std::unique_ptr<hicache::HostPrefixCache> cache;
 
@@ -131,7 +132,9 @@ PyCache make_cache(std::vector<nb::ndarray<>> segments, std::int64_t block_token
                    int key_bits, std::size_t pool_chunk_bytes, const std::string& copier,
                    int cuda_blocks, std::size_t cuda_staging_bytes, const std::string& cuda_path,
                    bool pin_upfront, const std::string& eviction, const std::string& admission,
-                   std::shared_ptr<hicache::Tier> tier, hicache::TierOptions tier_options) {
+                   std::shared_ptr<hicache::Tier> tier, hicache::TierOptions tier_options,
+                   std::vector<std::int64_t> layer_segments, double prefill_tokens_per_s,
+                   std::optional<nb::callable> prefill_seconds) {
   PyCache out;
   auto [segs, device] = segments_of(segments);
   hicache::CacheConfig c;
@@ -149,6 +152,27 @@ PyCache make_cache(std::vector<nb::ndarray<>> segments, std::int64_t block_token
   c.eviction = parse_eviction(eviction);
   c.admission = hicache::parse_admission(admission);
   c.tier = std::move(tier_options);
+  c.layer_segments = std::move(layer_segments);
+  if (prefill_seconds) {
+    // The cache calls it from try_resume without the GIL; PyCache keeps the callable alive
+    // (the function holds a borrowed pointer: copying an nb::object needs the GIL).
+    out.prefill_seconds = *prefill_seconds;
+    PyObject* fn = out.prefill_seconds.ptr();
+    c.prefill_seconds = [fn](std::int64_t start, std::int64_t end) {
+      nb::gil_scoped_acquire g;
+      nb::object r = nb::borrow(fn)(start, end);
+      double seconds = 0;
+      if (!nb::try_cast(r, seconds) || !(seconds >= 0)) {
+        throw std::invalid_argument("prefill_seconds(" + std::to_string(start) + ", " +
+                                    std::to_string(end) + ") must return a number of seconds >= 0");
+      }
+      return seconds;
+    };
+  } else if (prefill_tokens_per_s > 0) {
+    c.prefill_seconds = [prefill_tokens_per_s](std::int64_t start, std::int64_t end) {
+      return static_cast<double>(end - start) / prefill_tokens_per_s;
+    };
+  }
   hicache::CudaCopierOptions cuda_options;
   cuda_options.max_blocks = cuda_blocks;
   cuda_options.staging_bytes = cuda_staging_bytes;
@@ -327,7 +351,8 @@ std::optional<std::string_view> salt_view(const std::optional<nb::bytes>& salt) 
 std::int64_t try_resume(PyCache& self, std::string_view request_id, Tokens prompt,
                         nb::callable allocate, std::uintptr_t stream,
                         std::optional<std::vector<nb::ndarray<>>> state_out,
-                        std::optional<nb::bytes> salt) {
+                        std::optional<nb::bytes> salt,
+                        hicache::LayerwiseLoad* layerwise = nullptr) {
   std::optional<hicache::StateBuffers> out;
   if (state_out) {
     out.emplace();
@@ -351,7 +376,8 @@ std::int64_t try_resume(PyCache& self, std::string_view request_id, Tokens promp
   const std::optional<std::string_view> chain_salt = salt_view(salt);
   nb::gil_scoped_release release;
   return self.cache->try_resume(request_id, {prompt.data(), prompt.shape(0)}, fn,
-                                reinterpret_cast<hicache::StreamHandle>(stream), out, chain_salt);
+                                reinterpret_cast<hicache::StreamHandle>(stream), out, chain_salt,
+                                layerwise);
 }
 
 std::int64_t store(PyCache& self, std::string_view request_id, Tokens tokens, BlockIds block_ids,
@@ -674,6 +700,10 @@ NB_MODULE(_core, m) {
       .def_ro("hits", &hicache::CacheStats::hits)
       .def_ro("hit_tokens", &hicache::CacheStats::hit_tokens)
       .def_ro("deferred", &hicache::CacheStats::deferred)
+      .def_ro("hits_trimmed", &hicache::CacheStats::hits_trimmed)
+      .def_ro("pages_recomputed", &hicache::CacheStats::pages_recomputed)
+      .def_ro("layerwise_loads", &hicache::CacheStats::layerwise_loads)
+      .def_ro("load_bytes_per_s", &hicache::CacheStats::load_bytes_per_s)
       .def_ro("stores", &hicache::CacheStats::stores)
       .def_ro("store_skips", &hicache::CacheStats::store_skips)
       .def_ro("store_skips_unpinned", &hicache::CacheStats::store_skips_unpinned)
@@ -717,6 +747,20 @@ NB_MODULE(_core, m) {
       .def_prop_ro("hit_rate", &hicache::CacheStats::hit_rate)
       .def_prop_ro("token_hit_rate", &hicache::CacheStats::token_hit_rate);
 
+  nb::class_<hicache::LayerwiseLoad>(m, "LayerwiseLoad")
+      .def(nb::init<>())
+      .def_prop_ro("tokens", &hicache::LayerwiseLoad::tokens)
+      .def_prop_ro("layers", &hicache::LayerwiseLoad::layers)
+      .def("ready", &hicache::LayerwiseLoad::ready, "layer"_a)
+      .def(
+          "wait",
+          [](const hicache::LayerwiseLoad& self, std::size_t layer, std::uintptr_t stream) {
+            self.wait(layer, reinterpret_cast<hicache::StreamHandle>(stream));
+          },
+          "layer"_a, "stream"_a, nb::call_guard<nb::gil_scoped_release>())
+      .def("synchronize", &hicache::LayerwiseLoad::synchronize,
+           nb::call_guard<nb::gil_scoped_release>());
+
   nb::class_<PyCache>(m, "HostPrefixCache")
       .def(
           "__init__",
@@ -728,8 +772,9 @@ NB_MODULE(_core, m) {
              std::size_t cuda_staging_bytes, const std::string& cuda_path, bool pin_upfront,
              const std::string& eviction, const std::string& admission,
              std::shared_ptr<hicache::Tier> tier, std::int64_t tier_wait_us,
-             std::int64_t tier_queue_pages, std::int64_t tier_buffer_bytes,
-             std::string tier_space) {
+             std::int64_t tier_queue_pages, std::int64_t tier_buffer_bytes, std::string tier_space,
+             std::vector<std::int64_t> layer_segments, double prefill_tokens_per_s,
+             std::optional<nb::callable> prefill_seconds) {
             hicache::TierOptions tier_options;
             tier_options.wait_us = tier_wait_us;
             tier_options.queue_pages = tier_queue_pages;
@@ -739,15 +784,17 @@ NB_MODULE(_core, m) {
                 std::move(segments), block_tokens, capacity_pages, keep_tokens,
                 std::move(state_parts), capacity_states, state_lookback, salt, error_limit,
                 key_bits, pool_chunk_bytes, copier, cuda_blocks, cuda_staging_bytes, cuda_path,
-                pin_upfront, eviction, admission, std::move(tier), std::move(tier_options)));
+                pin_upfront, eviction, admission, std::move(tier), std::move(tier_options),
+                std::move(layer_segments), prefill_tokens_per_s, std::move(prefill_seconds)));
           },
           "segments"_a, "block_tokens"_a, "capacity_pages"_a, "keep_tokens"_a, "state_parts"_a,
           "capacity_states"_a, "state_lookback"_a, "salt"_a, "error_limit"_a, "key_bits"_a,
           "pool_chunk_bytes"_a, "copier"_a, "cuda_blocks"_a, "cuda_staging_bytes"_a, "cuda_path"_a,
           "pin_upfront"_a, "eviction"_a, "admission"_a, "tier"_a.none(), "tier_wait_us"_a,
-          "tier_queue_pages"_a, "tier_buffer_bytes"_a, "tier_space"_a)
+          "tier_queue_pages"_a, "tier_buffer_bytes"_a, "tier_space"_a, "layer_segments"_a,
+          "prefill_tokens_per_s"_a, "prefill_seconds"_a.none())
       .def("try_resume", &try_resume, "request_id"_a, "prompt"_a.noconvert(), "allocate"_a,
-           "stream"_a, "state_out"_a.none(), "salt"_a.none())
+           "stream"_a, "state_out"_a.none(), "salt"_a.none(), "layerwise"_a.none() = nullptr)
       .def("store", &store, "request_id"_a, "tokens"_a.noconvert(), "block_ids"_a.noconvert(),
            "stream"_a, "state_export"_a.none(), "salt"_a.none())
       .def(

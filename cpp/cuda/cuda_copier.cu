@@ -6,7 +6,9 @@
 //  - kernel: small pages: the gather/scatter kernel copies across PCIe through UVA pointers.
 
 #include <algorithm>
+#include <deque>
 #include <functional>
+#include <map>
 #include <mutex>
 #include <stdexcept>
 #include <string>
@@ -15,6 +17,7 @@
 
 #include "cuda_check.cuh"
 #include "dma_batch.hpp"
+#include "hicache/copy_rate.hpp"
 #include "hicache/cuda_copier.hpp"
 #include "pinned_allocator.hpp"
 #include "segment_table.hpp"
@@ -36,6 +39,9 @@ constexpr std::size_t kDmaMinChunk = std::size_t{1} << 20;
 constexpr std::size_t kStagedMinPage = std::size_t{512} << 10;
 // DMA pieces submitted in one cudaMemcpyBatchAsync (see copy_pages_dma).
 constexpr std::size_t kDmaBatch = 128;
+// Layer-wise loads: a layer's chunks from this size on cross on the DMA engines (0.93-0.97 of a
+// contiguous copy from 128 KiB chunks, BENCHMARKS.md), smaller ones through the kernel.
+constexpr std::size_t kLayerDmaMinChunk = std::size_t{128} << 10;
 
 CopyPath choose_path(const PageLayout& layout, const CudaCopierOptions& opt) {
   if (opt.path != CopyPath::kAuto) return opt.path;
@@ -86,10 +92,91 @@ class EventFence final : public Fence {
     throw_cuda_error(err, "cudaEventQuery", __FILE__, __LINE__);
   }
   void wait() noexcept override { cudaEventSynchronize(e_); }
+  void enqueue_wait(StreamHandle stream) override {
+    HICACHE_CUDA_CHECK(cudaStreamWaitEvent(static_cast<cudaStream_t>(stream), e_, 0));
+  }
 
  private:
   std::shared_ptr<EventPool> pool_;
   cudaEvent_t e_;
+};
+
+// Times loads on the device (timing events around each load's copies on its stream), so the
+// rate includes what slows the link (a competing copy) and not the engine's work queued before.
+// Read when asked; at most kMaxPending loads are timed at once (later ones are not timed).
+class LoadTimer {
+ public:
+  ~LoadTimer() {
+    for (auto& p : pending_) {
+      cudaEventDestroy(p.start);
+      cudaEventDestroy(p.end);
+    }
+    for (cudaEvent_t e : free_) cudaEventDestroy(e);
+  }
+  struct Mark {
+    cudaEvent_t start = nullptr;
+  };
+  Mark begin(cudaStream_t s) {
+    std::lock_guard<std::mutex> g(mu_);
+    if (pending_.size() >= kMaxPending) return {};
+    cudaEvent_t e = take();
+    if (e != nullptr && cudaEventRecord(e, s) != cudaSuccess) {
+      cudaGetLastError();
+      free_.push_back(e);
+      return {};
+    }
+    return {e};
+  }
+  void end(Mark m, cudaStream_t s, std::size_t bytes) {
+    if (m.start == nullptr) return;
+    std::lock_guard<std::mutex> g(mu_);
+    cudaEvent_t e = take();
+    if (e == nullptr || cudaEventRecord(e, s) != cudaSuccess) {
+      cudaGetLastError();
+      free_.push_back(m.start);
+      if (e != nullptr) free_.push_back(e);
+      return;
+    }
+    pending_.push_back({m.start, e, bytes});
+  }
+  double bytes_per_s() {
+    std::lock_guard<std::mutex> g(mu_);
+    while (!pending_.empty() && cudaEventQuery(pending_.front().end) == cudaSuccess) {
+      Pending p = pending_.front();
+      pending_.pop_front();
+      float ms = 0;
+      if (cudaEventElapsedTime(&ms, p.start, p.end) == cudaSuccess) rate_.add(p.bytes, ms / 1e3);
+      cudaGetLastError();
+      free_.push_back(p.start);
+      free_.push_back(p.end);
+    }
+    cudaGetLastError();  // a cudaErrorNotReady from the query above
+    return rate_.bytes_per_s();
+  }
+
+ private:
+  static constexpr std::size_t kMaxPending = 256;
+  struct Pending {
+    cudaEvent_t start, end;
+    std::size_t bytes;
+  };
+  cudaEvent_t take() {
+    if (!free_.empty()) {
+      cudaEvent_t e = free_.back();
+      free_.pop_back();
+      return e;
+    }
+    cudaEvent_t e = nullptr;
+    if (cudaEventCreate(&e) != cudaSuccess) {
+      cudaGetLastError();
+      return nullptr;
+    }
+    return e;
+  }
+  std::mutex mu_;
+  std::deque<Pending> pending_;
+  std::vector<cudaEvent_t> free_;
+  CopyRate rate_;
 };
 
 class CudaCopier final : public Copier {
@@ -143,6 +230,7 @@ class CudaCopier final : public Copier {
     // keeps that off the serving path.
     SegmentTable::load_kernels();
     store_lanes_.clear();  // before the plan and the table they use
+    sub_tables_.clear();
     load_lanes_.clear();
     staging_refused_ = false;
     plan_.reset();
@@ -153,20 +241,43 @@ class CudaCopier final : public Copier {
     }
   }
 
-  void copy_pages(Direction dir, const PageLayout&, std::span<const PageMove> moves,
+  void copy_pages(Direction dir, const PageLayout& layout, std::span<const PageMove> moves,
                   StreamHandle stream) override {
     if (table_ == nullptr) throw Error("CUDA copier used before bind()");
     DeviceGuard g(device_);
     auto s = static_cast<cudaStream_t>(stream);
-    // The batched DMA API refuses the legacy default stream: the kernel serves that one.
-    if (path_ == CopyPath::kDma && s != nullptr && s != cudaStreamLegacy) {
-      return copy_pages_dma(dir, moves, s);
-    }
-    if (plan_ != nullptr) {
-      if (StagingLane* l = lane(dir, s)) return l->copy(dir, moves, staged_blocks_, s);
-    }
-    table_->launch(dir, moves, opt_.max_blocks, s);
+    const auto mark = dir == Direction::kToDevice ? timer_.begin(s) : LoadTimer::Mark{};
+    copy_whole_pages(dir, moves, s);
+    timer_.end(mark, s, moves.size() * layout.page_bytes());
   }
+
+  // One layer's segments of each page (layer-wise loads): chunks of kLayerDmaMinChunk and more
+  // go to the DMA engines piece by piece, smaller ones through the kernel with a table of these
+  // segments alone (the staging windows hold whole pages, so staging is not used).
+  void copy_segments(Direction dir, const PageLayout& layout, std::span<const PageMove> moves,
+                     std::size_t first, std::size_t last, StreamHandle stream) override {
+    if (table_ == nullptr) throw Error("CUDA copier used before bind()");
+    const auto& segs = layout.segments();
+    if (first == 0 && last == segs.size()) return copy_pages(dir, layout, moves, stream);
+    if (first >= last || last > segs.size()) {
+      throw Error("copy_segments: no segments [" + std::to_string(first) + ", " +
+                  std::to_string(last) + ") in a layout of " + std::to_string(segs.size()));
+    }
+    DeviceGuard g(device_);
+    auto s = static_cast<cudaStream_t>(stream);
+    const auto mark = dir == Direction::kToDevice ? timer_.begin(s) : LoadTimer::Mark{};
+    std::int64_t smallest = segs[first].block_bytes;
+    for (std::size_t i = first; i < last; ++i) smallest = std::min(smallest, segs[i].block_bytes);
+    if (static_cast<std::size_t>(smallest) >= kLayerDmaMinChunk && s != nullptr &&
+        s != cudaStreamLegacy) {
+      copy_pages_dma(dir, moves, s, first, last);
+    } else {
+      sub_table(first, last).launch(dir, moves, opt_.max_blocks, s);
+    }
+    timer_.end(mark, s, moves.size() * (layout.page_offset_end(last) - layout.page_offset(first)));
+  }
+
+  double load_bytes_per_s() const override { return timer_.bytes_per_s(); }
 
   void copy_bytes(Direction dir, const DeviceBuffer& buf, std::byte* host,
                   StreamHandle stream) override {
@@ -237,7 +348,8 @@ class CudaCopier final : public Copier {
   // built, so the engines start on the first pieces while the driver takes the rest: one batch
   // of a whole call (7,259 pieces for 1 GiB of MLA pages) held every copy back until the driver
   // had taken all of it.
-  void copy_pages_dma(Direction dir, std::span<const PageMove> moves, cudaStream_t s) {
+  void copy_pages_dma(Direction dir, std::span<const PageMove> moves, cudaStream_t s,
+                      std::size_t first, std::size_t last) {
     const auto& segs = layout_->segments();
     std::vector<void*> dst, src;
     std::vector<std::size_t> sizes;
@@ -251,7 +363,7 @@ class CudaCopier final : public Copier {
       sizes.clear();
     };
     for (const PageMove& m : moves) {
-      for (std::size_t i = 0; i < segs.size(); ++i) {
+      for (std::size_t i = first; i < last; ++i) {
         void* dev = layout_->block_address(i, m.block);
         void* host = m.host + layout_->page_offset(i);
         src.push_back(dir == Direction::kToHost ? dev : host);
@@ -261,6 +373,30 @@ class CudaCopier final : public Copier {
       }
     }
     submit();
+  }
+
+  void copy_whole_pages(Direction dir, std::span<const PageMove> moves, cudaStream_t s) {
+    // The batched DMA API refuses the legacy default stream: the kernel serves that one.
+    if (path_ == CopyPath::kDma && s != nullptr && s != cudaStreamLegacy) {
+      return copy_pages_dma(dir, moves, s, 0, layout_->segments().size());
+    }
+    if (plan_ != nullptr) {
+      if (StagingLane* l = lane(dir, s)) return l->copy(dir, moves, staged_blocks_, s);
+    }
+    table_->launch(dir, moves, opt_.max_blocks, s);
+  }
+
+  // The kernel's table for segments [first, last), made at first use.
+  const SegmentTable& sub_table(std::size_t first, std::size_t last) {
+    std::lock_guard<std::mutex> g(sub_tables_mu_);
+    auto& t = sub_tables_[{first, last}];
+    if (t == nullptr) {
+      auto rows = segment_rows(*layout_);
+      rows = std::vector<SegmentDesc>(rows.begin() + static_cast<std::ptrdiff_t>(first),
+                                      rows.begin() + static_cast<std::ptrdiff_t>(last));
+      t = std::make_unique<SegmentTable>(std::move(rows), vec_, opt_.threads);
+    }
+    return *t;
   }
 
   void check_on_device(const void* p, std::size_t s, const char* what) const {
@@ -279,6 +415,9 @@ class CudaCopier final : public Copier {
   std::shared_ptr<HostAllocator> allocator_;
   std::unique_ptr<SegmentTable> table_;  // whole pages: the kernel across PCIe, and staging
   std::unique_ptr<StagingPlan> plan_;    // staged path only
+  std::mutex sub_tables_mu_;
+  std::map<std::pair<std::size_t, std::size_t>, std::unique_ptr<SegmentTable>> sub_tables_;
+  mutable LoadTimer timer_;
   std::mutex lanes_mu_;
   bool staging_refused_ = false;  // a staging allocation failed: no further attempts
   std::vector<std::pair<cudaStream_t, std::unique_ptr<StagingLane>>> store_lanes_, load_lanes_;

@@ -46,6 +46,10 @@ void CacheConfig::validate() const {
   require(key_bits >= 1 && key_bits <= 128, "key_bits", "in [1, 128]", key_bits);
   require(error_limit >= 1, "error_limit", ">= 1", error_limit);
   tier.validate();
+  for (std::size_t i = 0; i < layer_segments.size(); ++i) {
+    const std::string field = "layer_segments[" + std::to_string(i) + "]";
+    require(layer_segments[i] >= 1, field.c_str(), ">= 1 segments", layer_segments[i]);
+  }
   require(pool_chunk_bytes >= 1, "pool_chunk_bytes", ">= 1",
           static_cast<std::int64_t>(pool_chunk_bytes));
 }

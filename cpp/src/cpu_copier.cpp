@@ -1,5 +1,7 @@
 #include "hicache/cpu_copier.hpp"
 
+#include <chrono>
+#include <cstdint>
 #include <cstring>
 #include <deque>
 #include <map>
@@ -7,10 +9,12 @@
 namespace hicache {
 namespace {
 
-void copy_pages_now(Direction dir, const PageLayout& layout, std::span<const PageMove> moves) {
+// Segments [first, last) of each page.
+void copy_pages_now(Direction dir, const PageLayout& layout, std::span<const PageMove> moves,
+                    std::size_t first, std::size_t last) {
   const auto& segs = layout.segments();
   for (const PageMove& m : moves) {
-    for (std::size_t s = 0; s < segs.size(); ++s) {
+    for (std::size_t s = first; s < last; ++s) {
       std::byte* block = layout.block_address(s, m.block);
       std::byte* host = m.host + layout.page_offset(s);
       const auto n = static_cast<std::size_t>(segs[s].block_bytes);
@@ -54,8 +58,21 @@ std::unique_ptr<Fence> NullCopier::record(StreamHandle) { return std::make_uniqu
 CpuCopier::CpuCopier(std::shared_ptr<HostAllocator> allocator) : allocator_(std::move(allocator)) {}
 
 void CpuCopier::copy_pages(Direction dir, const PageLayout& layout, std::span<const PageMove> moves,
-                           StreamHandle) {
-  copy_pages_now(dir, layout, moves);
+                           StreamHandle stream) {
+  copy_segments(dir, layout, moves, 0, layout.segments().size(), stream);
+}
+
+void CpuCopier::copy_segments(Direction dir, const PageLayout& layout,
+                              std::span<const PageMove> moves, std::size_t first, std::size_t last,
+                              StreamHandle) {
+  const auto t0 = std::chrono::steady_clock::now();
+  copy_pages_now(dir, layout, moves, first, last);
+  if (dir == Direction::kToDevice && !moves.empty()) {
+    const std::size_t bytes =
+        moves.size() * (layout.page_offset_end(last) - layout.page_offset(first));
+    load_rate_.add(bytes,
+                   std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+  }
 }
 
 void CpuCopier::copy_bytes(Direction dir, const DeviceBuffer& buf, std::byte* host, StreamHandle) {
@@ -68,19 +85,35 @@ std::unique_ptr<Fence> CpuCopier::record(StreamHandle) { return std::make_unique
 
 struct DeferredCopier::State {
   struct Stream {
-    std::deque<std::function<void()>> queue;
+    // Copies, and the fences recorded between them (serial > 0): a fence completes when the
+    // copies before it ran, so a stream can run part of its work (complete_next).
+    struct Item {
+      std::function<void()> copy;
+      std::uint64_t fence = 0;
+    };
+    std::deque<Item> queue;
     std::uint64_t recorded = 0;   // fences handed out on this stream
     std::uint64_t completed = 0;  // fences with serial <= completed are done
+    std::size_t copies = 0;       // copies in the queue
 
-    std::size_t run_all() {
-      const std::size_t n = queue.size();
+    // Runs up to `limit` copies and the fences that follow them. @return copies run.
+    std::size_t run(std::size_t limit) {
+      std::size_t n = 0;
       while (!queue.empty()) {
-        queue.front()();
+        Item& item = queue.front();
+        if (item.fence == 0) {
+          if (n == limit) break;
+          item.copy();
+          ++n;
+          --copies;
+        } else {
+          completed = item.fence;
+        }
         queue.pop_front();
       }
-      completed = recorded;
       return n;
     }
+    std::size_t run_all() { return run(SIZE_MAX); }
   };
   mutable std::mutex mu;
   std::map<StreamHandle, Stream> streams;
@@ -100,7 +133,7 @@ class DeferredFence final : public Fence {
   void wait() noexcept override {
     std::lock_guard<std::mutex> g(st_->mu);
     auto& s = st_->streams[stream_];
-    if (serial_ > s.completed) s.run_all();
+    while (serial_ > s.completed && !s.queue.empty()) s.run(1);  // up to this fence only
   }
 
  private:
@@ -116,28 +149,47 @@ DeferredCopier::DeferredCopier()
 
 void DeferredCopier::copy_pages(Direction dir, const PageLayout& layout,
                                 std::span<const PageMove> moves, StreamHandle stream) {
+  copy_segments(dir, layout, moves, 0, layout.segments().size(), stream);
+}
+
+void DeferredCopier::copy_segments(Direction dir, const PageLayout& layout,
+                                   std::span<const PageMove> moves, std::size_t first,
+                                   std::size_t last, StreamHandle stream) {
   std::vector<PageMove> copy(moves.begin(), moves.end());
   // The layout outlives the cache's transfers, which all complete before the cache is destroyed.
   const PageLayout* l = &layout;
   std::lock_guard<std::mutex> g(state_->mu);
-  state_->streams[stream].queue.emplace_back(
-      [dir, l, copy = std::move(copy)] { copy_pages_now(dir, *l, copy); });
+  auto& st = state_->streams[stream];
+  st.queue.push_back({[dir, l, first, last, copy = std::move(copy)] {
+                        copy_pages_now(dir, *l, copy, first, last);
+                      },
+                      0});
+  ++st.copies;
 }
 
 void DeferredCopier::copy_bytes(Direction dir, const DeviceBuffer& buf, std::byte* host,
                                 StreamHandle stream) {
   std::lock_guard<std::mutex> g(state_->mu);
-  state_->streams[stream].queue.emplace_back([dir, buf, host] { copy_bytes_now(dir, buf, host); });
+  auto& st = state_->streams[stream];
+  st.queue.push_back({[dir, buf, host] { copy_bytes_now(dir, buf, host); }, 0});
+  ++st.copies;
 }
 
 std::unique_ptr<Fence> DeferredCopier::record(StreamHandle stream) {
   std::lock_guard<std::mutex> g(state_->mu);
-  return std::make_unique<DeferredFence>(state_, stream, ++state_->streams[stream].recorded);
+  auto& st = state_->streams[stream];
+  st.queue.push_back({{}, ++st.recorded});
+  return std::make_unique<DeferredFence>(state_, stream, st.recorded);
 }
 
 std::size_t DeferredCopier::complete(StreamHandle stream) {
   std::lock_guard<std::mutex> g(state_->mu);
   return state_->streams[stream].run_all();
+}
+
+std::size_t DeferredCopier::complete_next(StreamHandle stream, std::size_t copies) {
+  std::lock_guard<std::mutex> g(state_->mu);
+  return state_->streams[stream].run(copies);
 }
 
 std::size_t DeferredCopier::complete() {
@@ -150,7 +202,7 @@ std::size_t DeferredCopier::complete() {
 std::size_t DeferredCopier::pending() const {
   std::lock_guard<std::mutex> g(state_->mu);
   std::size_t n = 0;
-  for (const auto& [handle, s] : state_->streams) n += s.queue.size();
+  for (const auto& [handle, s] : state_->streams) n += s.copies;
   return n;
 }
 

@@ -45,6 +45,16 @@ HostPrefixCache::HostPrefixCache(std::vector<Segment> segments, Device device, C
              config_.pool_chunk_bytes, !config_.pin_upfront),
       catalog_({config_.capacity_pages, config_.eviction, config_.admission}),
       states_(config_.state_bytes > 0 ? config_.capacity_states : 0) {
+  if (!config_.layer_segments.empty()) {
+    const std::size_t n = mover_.layout().segments().size();
+    layer_starts_.push_back(0);
+    for (std::int64_t k : config_.layer_segments) layer_starts_.push_back(layer_starts_.back() + k);
+    if (layer_starts_.back() != n) {
+      throw std::invalid_argument("layer_segments must add up to the " + std::to_string(n) +
+                                  " segments (they add up to " +
+                                  std::to_string(layer_starts_.back()) + ")");
+    }
+  }
   auto alloc = mover_.copier().host_allocator();
   const auto growth = HostPool::growth_for(*alloc, !config_.pin_upfront);
   if (config_.state_bytes > 0) {
@@ -129,7 +139,7 @@ void HostPrefixCache::note_error(const std::string& what) {
 HostPrefixCache::Transfer* HostPrefixCache::register_transfer(Transfer t, StreamHandle stream,
                                                               bool failed) {
   try {
-    t.fence = mover_.copier().record(stream);
+    if (!t.fence) t.fence = mover_.copier().record(stream);
   } catch (const Error& e) {
     // Without a fence nobody can tell when the enqueued copies finish: the entries stay held so
     // their slots are never reused under a copy.
@@ -247,8 +257,17 @@ std::int64_t HostPrefixCache::try_resume(std::string_view request_id,
                                          std::span<const std::int32_t> prompt,
                                          const AllocateFn& allocate, StreamHandle stream,
                                          std::optional<StateBuffers> state_out,
-                                         std::optional<std::string_view> salt) {
+                                         std::optional<std::string_view> salt,
+                                         LayerwiseLoad* layerwise) {
   if (prompt.empty()) throw std::invalid_argument("try_resume: the prompt is empty");
+  if (layerwise != nullptr) {
+    if (layer_starts_.empty()) {
+      throw std::invalid_argument(
+          "try_resume: a layer-wise load needs the cache's layer_segments (the segments of each "
+          "layer)");
+    }
+    *layerwise = LayerwiseLoad();
+  }
   const bool has_state = config_.state_bytes > 0;
   if (has_state) {
     if (!state_out) {
@@ -345,9 +364,28 @@ std::int64_t HostPrefixCache::try_resume(std::string_view request_id,
     for (Entry* e : matched) pages_.unpin(e);
     if (state) states_.unpin(state);
   };
-  const auto tokens = static_cast<std::int64_t>(h) * B;
   std::optional<std::vector<std::int64_t>> blocks;
   lock.unlock();
+  std::size_t worth = h;
+  try {
+    worth = worth_loading(h, n_prompt, layerwise != nullptr, has_state);
+  } catch (...) {
+    lock.lock();
+    release();
+    throw;
+  }
+  if (worth < h) {
+    lock.lock();
+    ++stats_.hits_trimmed;
+    stats_.pages_recomputed += static_cast<std::int64_t>(h - worth);
+    for (std::size_t i = worth; i < h; ++i) pages_.unpin(matched[i]);
+    if (worth == 0 && state) states_.unpin(state);
+    if (worth == 0) return 0;
+    matched.resize(worth);
+    h = worth;
+    lock.unlock();
+  }
+  const auto tokens = static_cast<std::int64_t>(h) * B;
   try {
     blocks = allocate(tokens);
   } catch (...) {
@@ -388,18 +426,23 @@ std::int64_t HostPrefixCache::try_resume(std::string_view request_id,
     std::vector<PageMove> moves(h);
     for (std::size_t i = 0; i < h; ++i)
       moves[i] = {(*blocks)[i], mover_.pool().slot(matched[i]->slot)};
-    mover_.copy(Direction::kToDevice, moves, stream);
-    if (state) {
-      copy_state(mover_.copier(), Direction::kToDevice, *state_out, state_pool_->slot(state->slot),
-                 stream);
-    }
+    enqueue_load(moves, state ? &*state_out : nullptr,
+                 state ? state_pool_->slot(state->slot) : nullptr, stream, layerwise);
+    if (layerwise) t.fence = layerwise->fences_.back();
   } catch (const Error& e) {
     note_error(e.what());
     failed = true;
   }
   register_transfer(std::move(t), stream, failed);
-  if (failed) return 0;
+  if (failed) {
+    if (layerwise) *layerwise = LayerwiseLoad();
+    return 0;
+  }
   note_success();
+  if (layerwise) {
+    layerwise->tokens_ = tokens;
+    ++stats_.layerwise_loads;
+  }
   pages_.touch_chain(matched);
   if (state) states_.touch(state);
   ++stats_.hits;
@@ -408,6 +451,36 @@ std::int64_t HostPrefixCache::try_resume(std::string_view request_id,
   stats_.pages_loaded += static_cast<std::int64_t>(h);
   stats_.states_loaded += state ? 1 : 0;
   return tokens;
+}
+
+void HostPrefixCache::enqueue_load(std::span<const PageMove> moves, const StateBuffers* state_out,
+                                   std::byte* state_slot, StreamHandle stream,
+                                   LayerwiseLoad* layerwise) {
+  Copier& copier = mover_.copier();
+  if (state_out) copy_state(copier, Direction::kToDevice, *state_out, state_slot, stream);
+  if (layerwise == nullptr) {
+    mover_.copy(Direction::kToDevice, moves, stream);
+    return;
+  }
+  for (std::size_t l = 0; l + 1 < layer_starts_.size(); ++l) {
+    copier.copy_segments(Direction::kToDevice, mover_.layout(), moves, layer_starts_[l],
+                         layer_starts_[l + 1], stream);
+    layerwise->fences_.push_back(copier.record(stream));
+  }
+}
+
+std::size_t HostPrefixCache::worth_loading(std::size_t h, std::int64_t prompt_tokens,
+                                           bool layerwise, bool whole_or_nothing) {
+  if (!config_.prefill_seconds) return h;
+  const double rate = mover_.copier().load_bytes_per_s();
+  if (!(rate > 0)) return h;  // nothing measured yet: serve the hit
+  LoadCost cost;
+  cost.block_tokens = config_.block_tokens;
+  cost.prompt_tokens = prompt_tokens;
+  cost.page_load_s = static_cast<double>(mover_.layout().page_bytes()) / rate;
+  cost.layers = layerwise ? layer_starts_.size() - 1 : 1;
+  cost.prefill = &config_.prefill_seconds;
+  return pages_worth_loading(h, cost, whole_or_nothing);
 }
 
 // --- store -------------------------------------------------------------------------------------
@@ -629,6 +702,7 @@ CacheStats HostPrefixCache::stats() const {
   s.requests = static_cast<std::int64_t>(requests_.size());
   s.salts = static_cast<std::int64_t>(roots_.size());
   s.admitting_second_sightings_only = admission_.wants_second_sighting();
+  s.load_bytes_per_s = mover_.copier().load_bytes_per_s();
   if (link_) link_->add_stats(s);
   return s;
 }

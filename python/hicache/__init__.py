@@ -1,7 +1,7 @@
 """hicache: a host-memory KV prefix cache for LLM inference engines."""
 
 from ._core import CacheError, CacheStats, MemoryTier, Tier, UnknownRequestError, cuda_available
-from .cache import HostPrefixCache
+from .cache import HostPrefixCache, LayerwiseLoad
 from .hash_chain import chain_keys
 
 __version__ = "0.1.0"
@@ -10,6 +10,7 @@ __all__ = [
     "CacheError",
     "CacheStats",
     "HostPrefixCache",
+    "LayerwiseLoad",
     "MemoryTier",
     "Tier",
     "UnknownRequestError",

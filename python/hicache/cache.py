@@ -6,9 +6,12 @@ import operator
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
+import numpy as np
+
 from . import _arrays
 from ._core import CacheStats, Tier
 from ._core import HostPrefixCache as _CoreCache
+from ._core import LayerwiseLoad as _CoreLoad
 
 _data_ptr = operator.methodcaller("data_ptr")
 ArrayLike = Any  # torch.Tensor, numpy.ndarray, or anything exporting DLPack
@@ -82,6 +85,16 @@ class HostPrefixCache:
             written there (counted in ``tier_pages_dropped``).
         tier_space: names this model (and its version, quantization, tensor-parallel rank) in
             the tier, so caches of other models sharing the store never read its pages.
+        layers: for layer-wise loads (:meth:`try_resume_layerwise`): the number of layers, the
+            segments split evenly among them in order (64 segments, ``layers=32``: K and V of
+            each layer), or the segments of each layer (``[2, 2, ..., 1]``).
+        prefill_tokens_per_s: how fast the engine prefills, in tokens a second; or
+        prefill_seconds: ``(start, end) -> seconds`` to prefill prompt tokens ``[start, end)``
+            with ``[0, start)`` cached (attention makes later tokens dearer). Given either, a
+            hit is served only as far as loading it at the copier's measured rate
+            (``stats().load_bytes_per_s``) gives an earlier first token than recomputing it,
+            counted in ``hits_trimmed`` and ``pages_recomputed``; until a load was measured, hits
+            are served whole. Layer-wise, the load counts as overlapped with the prefill.
         key_bits: tests only; fewer than 128 bits force hash collisions.
 
     Raises:
@@ -115,6 +128,9 @@ class HostPrefixCache:
         tier_wait_ms: float = 50.0,
         tier_queue_pages: int = 4096,
         tier_space: str = "default",
+        layers: int | Sequence[int] | None = None,
+        prefill_tokens_per_s: float | None = None,
+        prefill_seconds: Callable[[int, int], float] | None = None,
         key_bits: int = 128,
     ) -> None:
         if segments is None or isinstance(segments, (str, bytes)):
@@ -183,6 +199,24 @@ class HostPrefixCache:
             if capacity_pages < 1:
                 raise ValueError(f"host_bytes={host_bytes} holds no page of {page} bytes")
         capacity_pages = _arrays.int_arg("capacity_pages", capacity_pages, 1, i64)
+        layer_segments = _layer_segments(layers, len(segs))
+        if prefill_tokens_per_s is not None and prefill_seconds is not None:
+            raise ValueError("give at most one of prefill_tokens_per_s and prefill_seconds")
+        rate = 0.0
+        if prefill_tokens_per_s is not None:
+            if (
+                isinstance(prefill_tokens_per_s, bool)
+                or not isinstance(prefill_tokens_per_s, (int, float))
+                or not 0 < prefill_tokens_per_s < float("inf")
+            ):
+                shown = _arrays.show(prefill_tokens_per_s)
+                raise ValueError(f"prefill_tokens_per_s must be a number of tokens a second > 0, not {shown}")
+            rate = float(prefill_tokens_per_s)
+        seconds = None
+        if prefill_seconds is not None:
+            seconds = _prefill_callback(
+                _arrays.callable_arg("prefill_seconds", prefill_seconds, "(start, end) -> seconds")
+            )
         self._segments = segs
         # Torch lets an engine reallocate a tensor in place (resize_, set_): the cache would then
         # copy through a dangling pointer. Every call that copies first checks that each segment
@@ -213,8 +247,12 @@ class HostPrefixCache:
             tier_queue_pages,
             128 << 20,  # tier buffers: two rounds of 64 MiB in flight each way
             tier_space,
+            layer_segments,
+            rate,
+            seconds,
         )
         self.block_tokens = block_tokens
+        self.layers = len(layer_segments)
         self.state_parts = state_parts
         self.state_bytes = sum(state_parts)
 
@@ -271,6 +309,55 @@ class HostPrefixCache:
             return blocks
 
         return self._core.try_resume(rid, tokens, alloc, handle, out, chain_salt)
+
+    def try_resume_layerwise(
+        self,
+        request_id: str | int,
+        prompt: Sequence[int] | ArrayLike,
+        allocate: Allocate,
+        *,
+        stream: Any = None,
+        state_out: ArrayLike | Sequence[ArrayLike] | None = None,
+        salt: bytes | str | None = None,
+    ) -> LayerwiseLoad:
+        """:meth:`try_resume`, loading layer by layer so the engine computes while it loads.
+
+        The copies of each layer's segments (see ``layers``) are enqueued one layer after the
+        other on ``stream``, which should be a copy stream of the engine's own (a
+        ``torch.cuda.Stream()``): the engine starts its forward pass at once and calls
+        ``load.wait(i)`` right before layer ``i`` reads the loaded blocks, which makes its
+        current stream wait on the device for that layer's copies. The state (if any) arrives
+        with layer 0. Everything else is as :meth:`try_resume`: the same pages, the same checks,
+        held until :meth:`poll` sees the whole load complete.
+
+        Returns:
+            a :class:`LayerwiseLoad`; its ``tokens`` is what :meth:`try_resume` returns.
+
+        Raises:
+            ValueError: the cache was built without ``layers``; as :meth:`try_resume` otherwise.
+        """
+        if not self.layers:
+            raise ValueError(
+                "try_resume_layerwise needs the cache built with layers= (the segments of each layer)"
+            )
+        rid = _arrays.as_request_id(request_id)
+        tokens = _arrays.as_tokens(prompt, "prompt")
+        _arrays.callable_arg("allocate", allocate, "tokens -> block ids or None")
+        handle = _arrays.stream_handle(stream, self._segments)
+        out = None if state_out is None else _state_capsules(state_out, "state_out", writable=True)
+        chain_salt = _arrays.as_salt(salt)
+
+        def alloc(n: int) -> list[int] | None:
+            got = _arrays.call_back(allocate, n, "allocate")
+            if got is None:
+                return None
+            blocks = _arrays.block_id_list(got, f"allocate({n})'s result")
+            self._check_segments()
+            return blocks
+
+        core = _CoreLoad()
+        served = self._core.try_resume(rid, tokens, alloc, handle, out, chain_salt, core)
+        return LayerwiseLoad(core, served, self._segments)
 
     def store(
         self,
@@ -378,6 +465,75 @@ class HostPrefixCache:
     @property
     def device(self) -> str:
         return self._core.device
+
+
+class LayerwiseLoad:
+    """A hit loaded layer by layer (:meth:`HostPrefixCache.try_resume_layerwise`)."""
+
+    def __init__(self, core: _CoreLoad, tokens: int, segments: Sequence[Any]) -> None:
+        self._core = core
+        self._segments = segments
+        #: tokens served (prefill starts there), 0 on a miss, -1 if ``allocate`` deferred.
+        self.tokens = tokens
+
+    @property
+    def layers(self) -> int:
+        """Layers with copies to wait for (0 on a miss)."""
+        return int(self._core.layers)
+
+    def ready(self, layer: int) -> bool:
+        """Whether layer ``layer``'s copies completed (non-blocking; True on a miss)."""
+        return bool(self._core.ready(_arrays.int_arg("layer", layer, 0, 2**63 - 1)))
+
+    def wait(self, layer: int, stream: Any = None) -> None:
+        """Makes work enqueued on ``stream`` (default: torch's current stream) after this call
+        wait until layer ``layer`` is loaded, on the device: the calling thread does not block
+        (on the CPU, where copies are synchronous, there is nothing to wait for)."""
+        layer = _arrays.int_arg("layer", layer, 0, 2**63 - 1)
+        self._core.wait(layer, _arrays.stream_handle(stream, self._segments))
+
+    def synchronize(self) -> None:
+        """Blocks until every layer is loaded."""
+        self._core.synchronize()
+
+
+def _prefill_callback(fn: Callable[[int, int], float]) -> Callable[[int, int], float]:
+    """The engine's prefill_seconds, with a call it cannot take reported under its name (the
+    core checks what it returns)."""
+
+    def seconds(start: int, end: int) -> float:
+        try:
+            return fn(start, end)
+        except TypeError as e:
+            if e.__traceback__ is not None and e.__traceback__.tb_next is None:  # failed at the call
+                raise TypeError(f"prefill_seconds must take (start, end); calling it raised: {e}") from e
+            raise
+
+    return seconds
+
+
+def _layer_segments(layers: Any, n_segments: int) -> list[int]:
+    """Segments per layer from ``layers=``: a count splitting them evenly, or a list."""
+    if layers is None:
+        return []
+    if isinstance(layers, (int, np.integer)) and not isinstance(layers, bool):
+        n = _arrays.int_arg("layers", layers, 1, n_segments)
+        if n_segments % n:
+            raise ValueError(
+                f"layers={n} does not split the {n_segments} segments evenly; give the segments of each layer"
+            )
+        return [n_segments // n] * n
+    try:
+        counts = [_arrays.int_arg(f"layers[{i}]", c, 1, n_segments) for i, c in enumerate(layers)]
+    except TypeError:
+        raise TypeError(
+            f"layers must be a number of layers or a list of segments per layer, not {_arrays.show(layers)}"
+        ) from None
+    if sum(counts) != n_segments:
+        raise ValueError(
+            f"layers={counts} must add up to the {n_segments} segments (they add up to {sum(counts)})"
+        )
+    return counts
 
 
 def _state_parts(state_bytes: Any) -> list[int]:

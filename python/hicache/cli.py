@@ -11,12 +11,13 @@ from . import __version__, cuda_available
 
 
 def _demo(args: argparse.Namespace) -> int:
-    """A paged-attention engine over multi-turn conversations, with and without hicache."""
+    """A paged-attention engine over multi-turn conversations (or agent sessions), with and
+    without hicache, and with layer-wise loads when asked."""
     import dataclasses
 
     import torch
 
-    from .demo import PRESETS, PagedEngine, TinyTransformer, make_conversations
+    from .demo import AGENTIC_DEFAULTS, PRESETS, PagedEngine, TinyTransformer, make_conversations
     from .demo.runner import run_workload, summarize
 
     if args.device == "auto":
@@ -26,6 +27,10 @@ def _demo(args: argparse.Namespace) -> int:
     if device.type == "cuda" and not torch.cuda.is_available():
         print("hicache demo: --device cuda, but torch sees no GPU", file=sys.stderr)
         return 2
+    defaults = AGENTIC_DEFAULTS[device.type] if args.workload == "agentic" else CONVERSATION_DEFAULTS
+    for name, value in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
     cfg = PRESETS[args.model]
     if args.window:
         cfg = dataclasses.replace(cfg, window=args.window)
@@ -38,17 +43,11 @@ def _demo(args: argparse.Namespace) -> int:
     longest = args.first_tokens * 3 // 2 + (args.turns - 1) * (args.user_tokens * 3 // 2 + args.new_tokens)
     blocks = (longest + args.new_tokens) // args.block_tokens + 2
     log = None if args.json else (lambda s: (sys.stderr.write(s), sys.stderr.flush()))
+    common = {"num_blocks": blocks, "block_tokens": args.block_tokens, "prefill_chunk": args.prefill_chunk}
     try:
-        plain = PagedEngine(
-            model, num_blocks=blocks, block_tokens=args.block_tokens, prefill_chunk=args.prefill_chunk
-        )
+        plain = PagedEngine(model, **common)
         cached = PagedEngine(
-            model,
-            num_blocks=blocks,
-            block_tokens=args.block_tokens,
-            cache_pages=args.cache_pages,
-            measure_load=device.type == "cuda",
-            prefill_chunk=args.prefill_chunk,
+            model, cache_pages=args.cache_pages, measure_load=device.type == "cuda", **common
         )
     except ValueError as e:
         print(f"hicache demo: {e}", file=sys.stderr)
@@ -57,45 +56,83 @@ def _demo(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     without = run_workload(plain, convs, args.new_tokens, "without cache", log)
     with_cache = run_workload(cached, convs, args.new_tokens, "with cache", log)
+    stats = cached.cache.stats_dict() if cached.cache else {}
+    copy_path = cached.cache.copy_path if cached.cache else None
+    layerwise = None
+    if args.layerwise:
+        del cached  # its pinned pool goes before the next one is pinned
+        lw_engine = PagedEngine(model, cache_pages=args.cache_pages, layerwise=True, **common)
+        layerwise = run_workload(lw_engine, convs, args.new_tokens, "with cache, layer-wise", log)
+        stats_lw = lw_engine.cache.stats_dict() if lw_engine.cache else {}
     elapsed = time.perf_counter() - t0
     # The ideal moves the hit bytes at the contiguous cudaMemcpyAsync rate measured on an H200.
-    summary = summarize(with_cache, without, 55.3e9 if device.type == "cuda" else None)
+    rate = 55.3e9 if device.type == "cuda" else None
+    summary = summarize(with_cache, without, rate, layerwise)
     result = {
         "model": args.model,
+        "workload": args.workload,
         "hybrid_window": cfg.window,
         "device": str(device),
-        "copy_path": cached.cache.copy_path if cached.cache else None,
-        "prefill_chunk": cached.C,
+        "copy_path": copy_path,
+        "prefill_chunk": plain.C,
         **dataclasses.asdict(summary),
-        "cache": cached.cache.stats_dict() if cached.cache else {},
+        "prefill_tokens_per_s_without_cache": round(
+            sum(r.prompt_tokens for r in without) / sum(r.ttft_s for r in without)
+        ),
+        "cache": stats,
         "seconds": round(elapsed, 1),
     }
+    if layerwise is not None:
+        result["cache_layerwise"] = stats_lw
+    identical = summary.tokens_identical and summary.layerwise_tokens_identical is not False
     if args.json:
         print(json.dumps(result, default=str))
     else:
         s = summary
         kind = f"hybrid, sliding window {cfg.window}" if cfg.window else "full attention"
-        path = cached.cache.copy_path if cached.cache else "none"
+        path = copy_path or "none"
+        lw = layerwise is not None
         print(
-            f"\nhicache demo: {args.model} model ({kind}) on {device}, {args.block_tokens}-token blocks, "
-            f"{cached.C}-token prefill chunks, {path} copies\n"
+            f"\nhicache demo: {args.model} model ({kind}) on {device}, {args.workload} workload, "
+            f"{args.block_tokens}-token blocks, {plain.C}-token prefill chunks, {path} copies\n"
         )
-        print("|                     | without cache | with hicache |")
-        print("| ------------------- | ------------- | ------------ |")
-        print(f"| requests            | {s.requests:>13} | {s.requests:>12} |")
-        print(f"| prompt tokens       | {s.prompt_tokens:>13} | {s.prompt_tokens:>12} |")
-        print(f"| tokens from cache   | {0:>13} | {s.cached_tokens:>12} |")
-        print(f"| TTFT p50 (ms)       | {s.ttft_p50_without_ms:>13} | {s.ttft_p50_with_ms:>12} |")
-        print(f"| TTFT p90 (ms)       | {s.ttft_p90_without_ms:>13} | {s.ttft_p90_with_ms:>12} |")
-        print(
-            f"\nevery generated token identical with and without the cache: "
-            f"{'yes' if s.tokens_identical else f'NO ({s.mismatched_requests} requests differ)'}"
-        )
+        head = "|                     | without cache | with hicache |" + (" layer-wise |" if lw else "")
+        print(head)
+        print("| ------------------- | ------------- | ------------ |" + (" ---------- |" if lw else ""))
+
+        def row(name: str, a: object, b: object, c: object = "") -> None:
+            print(f"| {name:<19} | {a!s:>13} | {b!s:>12} |" + (f" {c!s:>10} |" if lw else ""))
+
+        row("requests", s.requests, s.requests, s.requests)
+        row("prompt tokens", s.prompt_tokens, s.prompt_tokens, s.prompt_tokens)
+        lw_cached = sum(r.cached_tokens for r in layerwise) if layerwise else ""
+        row("tokens from cache", 0, s.cached_tokens, lw_cached)
+        row("TTFT p50 (ms)", s.ttft_p50_without_ms, s.ttft_p50_with_ms, s.ttft_p50_layerwise_ms)
+        row("TTFT p90 (ms)", s.ttft_p90_without_ms, s.ttft_p90_with_ms, s.ttft_p90_layerwise_ms)
+        same = "yes" if s.tokens_identical else f"NO ({s.mismatched_requests} requests differ)"
+        print(f"\nevery generated token identical with and without the cache: {same}")
+        if lw:
+            print(f"... and with layer-wise loads: {'yes' if s.layerwise_tokens_identical else 'NO'}")
+        print(f"prefill without the cache: {result['prefill_tokens_per_s_without_cache']} prompt tokens/s")
         if s.ideal_ratio_p50 is not None:
             ideal = "suffix prefill + hit bytes at 55.3 GB/s"
             print(f"TTFT with cache / ideal ({ideal}), median: {s.ideal_ratio_p50}")
+        if s.overlap_ratio_p50 is not None:
+            print(
+                "TTFT layer-wise / max(hit bytes at 55.3 GB/s, suffix prefill), "
+                f"p50 {s.overlap_ratio_p50}, p90 {s.overlap_ratio_p90}"
+            )
         print(f"({elapsed:.1f} s)")
-    return 0 if summary.tokens_identical else 1
+    return 0 if identical else 1
+
+
+CONVERSATION_DEFAULTS = {
+    "conversations": 8,
+    "turns": 8,
+    "first_tokens": 600,
+    "user_tokens": 150,
+    "new_tokens": 8,
+}
 
 
 def _replay(args: argparse.Namespace) -> int:
@@ -218,11 +255,27 @@ def main(argv: list[str] | None = None) -> int:
     )
     d.add_argument("--model", choices=["tiny", "small", "llama3-8b"], default="tiny")
     d.add_argument("--window", type=int, default=0, help="hybrid model: sliding-window layers of this window")
-    d.add_argument("--conversations", type=int, default=8)
-    d.add_argument("--turns", type=int, default=8)
-    d.add_argument("--first-tokens", type=int, default=600, help="mean length of each first prompt")
-    d.add_argument("--user-tokens", type=int, default=150, help="mean length of each later user message")
-    d.add_argument("--new-tokens", type=int, default=8, help="tokens generated per request")
+    d.add_argument(
+        "--workload",
+        choices=["conversation", "agentic"],
+        default="conversation",
+        help="conversation: chats of short turns (defaults 8 x 8 turns, 600-token first prompts, "
+        "150-token messages, 8 new tokens); agentic: a few agent sessions of long contexts and short "
+        "tool results (2 x 6 steps; contexts of ~32K tokens on a GPU, ~2K on the CPU; 384/128-token "
+        "tool results; 16/8 new tokens). Each option below overrides its default",
+    )
+    d.add_argument("--conversations", type=int, default=None, help="conversations (or agent sessions)")
+    d.add_argument("--turns", type=int, default=None, help="turns (or agent steps) of each")
+    d.add_argument("--first-tokens", type=int, default=None, help="mean length of each first prompt")
+    d.add_argument(
+        "--user-tokens", type=int, default=None, help="mean length of each later user message (tool result)"
+    )
+    d.add_argument("--new-tokens", type=int, default=None, help="tokens generated per request")
+    d.add_argument(
+        "--layerwise",
+        action="store_true",
+        help="also run the cached engine with layer-wise loads (try_resume_layerwise), beside the prefill",
+    )
     d.add_argument("--block-tokens", type=int, default=128)
     d.add_argument(
         "--prefill-chunk",

@@ -171,7 +171,8 @@ CONSTRUCTOR_KEYWORDS = [
     "block_tokens", "capacity_pages", "host_bytes", "keep_tokens", "state_bytes", "capacity_states",
     "state_lookback", "salt", "error_limit", "copier", "cuda_blocks", "cuda_staging_bytes",
     "cuda_path", "pool_chunk_bytes", "pin_upfront", "eviction", "admission",
-    "tier", "tier_wait_ms", "tier_queue_pages", "tier_space", "key_bits",
+    "tier", "tier_wait_ms", "tier_queue_pages", "tier_space", "layers", "prefill_tokens_per_s",
+    "prefill_seconds", "key_bits",
 ]  # fmt: skip
 # Arguments a keyword's bad value may be reported under: related settings checked together.
 ALSO_NAMED = {
@@ -197,9 +198,26 @@ def constructor_call(engine: Engine, name: str, value: Any) -> Callable[[], Any]
 
 
 def method_call(engine: Engine, name: str, value: Any) -> Callable[[], Any]:
-    c = engine.primed(**({"copier": "deferred"} if name.startswith("complete_transfers") else {}))
+    kwargs: dict[str, Any] = {}
+    if name.startswith("complete_transfers"):
+        kwargs["copier"] = "deferred"
+    if name.startswith(("try_resume_layerwise", "wait")):
+        kwargs["layers"] = 1
+    if name == "try_resume.prefill_seconds()":
+        kwargs["prefill_seconds"] = lambda start, end: value
+    c = engine.primed(**kwargs)
     out = engine.state
     good_alloc = lambda n: [3, 4, 5][: n // B]  # noqa: E731
+
+    def decided() -> Any:  # the first hit measures the copy rate, the second asks the engine
+        c.try_resume("m", PROMPT, good_alloc, state_out=out)
+        return c.try_resume("r", PROMPT, good_alloc, state_out=out)
+
+    def wait() -> Any:
+        load = c.try_resume_layerwise("r", PROMPT, good_alloc, state_out=out)
+        load.wait(value)
+        return load.tokens
+
     calls: dict[str, Callable[[], Any]] = {
         "try_resume.request_id": lambda: c.try_resume(value, PROMPT, good_alloc, state_out=out),
         "try_resume.prompt": lambda: c.try_resume("r", value, good_alloc, state_out=out),
@@ -208,6 +226,14 @@ def method_call(engine: Engine, name: str, value: Any) -> Callable[[], Any]:
         "try_resume.stream": lambda: c.try_resume("r", PROMPT, good_alloc, state_out=out, stream=value),
         "try_resume.state_out": lambda: c.try_resume("r", PROMPT, good_alloc, state_out=value),
         "try_resume.salt": lambda: c.try_resume("r", PROMPT, good_alloc, state_out=out, salt=value),
+        "try_resume.prefill_seconds()": decided,
+        "try_resume_layerwise.request_id": lambda: (
+            c.try_resume_layerwise(value, PROMPT, good_alloc, state_out=out).tokens
+        ),
+        "try_resume_layerwise.stream": lambda: (
+            c.try_resume_layerwise("r", PROMPT, good_alloc, state_out=out, stream=value).tokens
+        ),
+        "wait.layer": wait,
         "store.request_id": lambda: c.store(value, PROMPT + 1, [5, 6]),
         "store.tokens": lambda: c.store("s", value, [5, 6, 7]),
         "store.block_ids": lambda: c.store("s", PROMPT + 1, value),
@@ -233,6 +259,8 @@ def names_for(target: str) -> tuple[str, ...]:
         return ("allocate",)
     if arg == "state_export()":
         return ("state_export",)
+    if arg == "prefill_seconds()":
+        return ("prefill_seconds",)
     if target == "forget.request_id":
         return ("request_id", "unknown request")
     return (arg, *ALSO_NAMED.get(arg, ()))
@@ -241,7 +269,9 @@ def names_for(target: str) -> tuple[str, ...]:
 TARGETS = [
     "segments", "segments[1]", *CONSTRUCTOR_KEYWORDS,
     "try_resume.request_id", "try_resume.prompt", "try_resume.allocate", "try_resume.allocate()",
-    "try_resume.stream", "try_resume.state_out", "try_resume.salt", "store.request_id", "store.tokens",
+    "try_resume.stream", "try_resume.state_out", "try_resume.salt", "try_resume.prefill_seconds()",
+    "try_resume_layerwise.request_id", "try_resume_layerwise.stream", "wait.layer",
+    "store.request_id", "store.tokens",
     "store.block_ids", "store.stream", "store.state_export", "store.state_export()", "store.salt",
     "forget.request_id", "complete_transfers.stream", "chain_keys.tokens", "chain_keys.block_tokens",
     "chain_keys.salt", "chain_keys.key_bits",
@@ -250,7 +280,7 @@ TARGETS = [
 
 def check_outcome(target: str, result: Any) -> None:
     """What correct behaviour means when a generated value happens to be acceptable."""
-    if target.startswith("try_resume"):
+    if target.startswith(("try_resume", "wait")):
         assert isinstance(result, int) and result in (-1, 0, B, 2 * B), result
     elif target.startswith("store"):
         assert isinstance(result, int) and 0 <= result <= 3, result
@@ -265,6 +295,8 @@ def use_constructed(engine: Engine, cache: hicache.HostPrefixCache) -> None:
         cache.store("u", PROMPT, [0, 1, 2], state_export=lambda pos: engine.state)
         cache.poll()
         cache.try_resume("v", PROMPT, lambda n: [3, 4, 5][: n // B], state_out=engine.state)
+        # A second hit: the first measured the copy rate, so a prefill model is asked now.
+        cache.try_resume("w", PROMPT, lambda n: [3, 4, 5][: n // B], state_out=engine.state)
         cache.stats()
     except ALLOWED:
         pass
@@ -304,7 +336,8 @@ def test_every_target_ran_its_examples() -> None:
     missing = {t: ran[t] for t in TARGETS if ran[t] < EXAMPLES}
     assert not missing, missing
     print(f"\n{sum(ran.values())} generated values over {len(TARGETS)} arguments and callback results:")
-    for method in ("HostPrefixCache()", "try_resume", "store", "forget", "complete_transfers", "chain_keys"):
+    methods = ("HostPrefixCache()", "try_resume", "try_resume_layerwise", "wait", "store", "forget")
+    for method in (*methods, "complete_transfers", "chain_keys"):
         mine = {
             t: n
             for t, n in ran.items()

@@ -70,6 +70,74 @@ def test_larger_prefill_chunks_are_still_identical_and_hit_on_chunk_boundaries(
     assert len({tuple(r.generated) for r in without}) > 40
 
 
+@pytest.mark.parametrize(
+    ("window", "chunk"), [(0, 16), (0, 64), (24, 16)], ids=["plain", "chunk64", "hybrid"]
+)
+@pytest.mark.parametrize(
+    "device,dtype",
+    [("cpu", torch.float32), pytest.param("cuda", torch.bfloat16, marks=needs_gpu)],
+    ids=["cpu", "cuda-bf16"],
+)
+def test_layerwise_loads_generate_identical_tokens(
+    window: int, chunk: int, device: str, dtype: torch.dtype
+) -> None:
+    cfg = dataclasses.replace(PRESETS["tiny"], window=window)
+    model = TinyTransformer(cfg, torch.device(device), dtype, seed=4)
+    convs = make_conversations(4, 6, cfg.vocab, first_tokens=200, user_tokens=40, seed=4)  # 24 requests
+    plain = PagedEngine(model, num_blocks=96, block_tokens=16, prefill_chunk=chunk)
+    layerwise = PagedEngine(
+        model, num_blocks=96, block_tokens=16, prefill_chunk=chunk, cache_pages=600, layerwise=True
+    )
+    without = run_workload(plain, convs, 6, "without")
+    with_layers = run_workload(layerwise, convs, 6, "layer-wise")
+    s = summarize(with_layers, without)
+    assert s.tokens_identical, f"{s.mismatched_requests} requests generated other tokens"
+    assert s.cached_tokens > s.prompt_tokens // 3
+    stats = layerwise.cache.stats()
+    assert stats.layerwise_loads == stats.hits >= 18 and stats.errors == 0
+    if window:
+        assert stats.states_loaded == stats.hits
+    assert len({tuple(r.generated) for r in without}) > 18
+
+
+def test_the_layerwise_comparison_has_teeth(monkeypatch: pytest.MonkeyPatch) -> None:
+    # An engine that takes every layer's loaded blocks but the last one's generates other tokens:
+    # the identity above depends on every layer's loaded bytes.
+    cfg = PRESETS["tiny"]
+    model = TinyTransformer(cfg, torch.device("cpu"), torch.float32, seed=4)
+    convs = make_conversations(4, 6, cfg.vocab, first_tokens=200, user_tokens=40, seed=4)
+    plain = PagedEngine(model, num_blocks=96, block_tokens=16)
+    layerwise = PagedEngine(model, num_blocks=96, block_tokens=16, cache_pages=600, layerwise=True)
+    take = PagedEngine._take_served
+
+    def all_but_the_last(self: PagedEngine, seq: object, layer: int) -> None:
+        if layer != self.full_layers[-1]:
+            take(self, seq, layer)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(PagedEngine, "_take_served", all_but_the_last)
+    s = summarize(run_workload(layerwise, convs, 6, "broken"), run_workload(plain, convs, 6, "without"))
+    assert s.mismatched_requests >= 10
+
+
+def test_load_or_recompute_keeps_tokens_identical_and_declines_when_prefill_is_faster() -> None:
+    cfg = PRESETS["tiny"]
+    model = TinyTransformer(cfg, torch.device("cpu"), torch.float32, seed=5)
+    convs = make_conversations(3, 4, cfg.vocab, first_tokens=200, user_tokens=40, seed=5)  # 12 requests
+    plain = PagedEngine(model, num_blocks=96, block_tokens=16)
+    without = run_workload(plain, convs, 4, "without")
+    fast = PagedEngine(model, num_blocks=96, block_tokens=16, cache_pages=600, prefill_tokens_per_s=1e15)
+    slow = PagedEngine(model, num_blocks=96, block_tokens=16, cache_pages=600, prefill_tokens_per_s=1.0)
+    declined = run_workload(fast, convs, 4, "recompute")
+    served = run_workload(slow, convs, 4, "load")
+    for runs in (declined, served):
+        assert summarize(runs, without).tokens_identical
+    d, s = fast.cache.stats(), slow.cache.stats()
+    # The first hit measures the copy rate; every later one is declined by an engine this fast.
+    assert d.hits == 1 and d.hits_trimmed == 8 and d.pages_recomputed > 8
+    assert s.hits == 9 and s.hits_trimmed == 0 and s.load_bytes_per_s > 0
+    assert sum(r.cached_tokens for r in declined) < sum(r.cached_tokens for r in served) // 4
+
+
 def test_progress_lines_cover_the_longer_ones_before_them() -> None:
     cfg = PRESETS["tiny"]
     model = TinyTransformer(cfg, torch.device("cpu"), torch.float32, seed=1)
@@ -135,9 +203,25 @@ def test_demo_command_reports_identical_tokens_as_json() -> None:
     )
     result = json.loads(out.stdout)
     assert result["tokens_identical"] is True and result["requests"] == 9
+    assert result["workload"] == "conversation" and "cache_layerwise" not in result
     assert result["cached_tokens"] > 0 and result["cache"]["states_loaded"] > 0
     # The default device is the GPU when there is one: the JSON must say which ran.
     if torch.cuda.is_available():
         assert result["device"] == "cuda" and result["copy_path"] in ("kernel", "staged", "dma")
     else:
         assert result["device"] == "cpu" and result["copy_path"] == "cpu"
+
+
+def test_demo_command_runs_the_agentic_workload_layer_by_layer() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "hicache.cli", "demo", "--json", "--workload", "agentic", "--layerwise",
+         "--device", "cpu", "--first-tokens", "600", "--user-tokens", "60", "--turns", "4"],
+        check=True,
+        capture_output=True,
+        text=True,
+    )  # fmt: skip
+    result = json.loads(out.stdout)
+    assert result["workload"] == "agentic" and result["requests"] == 8  # 2 sessions x 4 steps
+    assert result["tokens_identical"] is True and result["layerwise_tokens_identical"] is True
+    assert result["cache_layerwise"]["layerwise_loads"] == result["cache_layerwise"]["hits"] == 6
+    assert result["ttft_p50_layerwise_ms"] > 0

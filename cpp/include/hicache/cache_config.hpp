@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "hicache/admission_policy.hpp"
+#include "hicache/load_or_recompute.hpp"
 #include "hicache/prefix_index.hpp"
 #include "hicache/tier.hpp"
 
@@ -53,6 +54,14 @@ struct CacheConfig {
   bool pin_upfront = false;
   /// How a shared tier given to the cache is used (ignored without one).
   TierOptions tier;
+  /// Layer-wise loads (layerwise_load.hpp): the segments of each layer, in the engine's layer
+  /// order (e.g. {2, 2, ...}: K and V per layer; {1, 1, ...}: one MLA latent tensor per layer);
+  /// they must add up to the number of segments. Empty: layer-wise loads are refused.
+  std::vector<std::int64_t> layer_segments;
+  /// How fast the engine prefills (load_or_recompute.hpp). Given, try_resume serves only as much
+  /// of a hit as gives an earlier first token than recomputing it, at the copier's measured rate
+  /// (counted in pages_recomputed). Empty (default): every hit is served whole.
+  PrefillSeconds prefill_seconds;
 
   /// @throws std::invalid_argument naming the first bad field.
   void validate() const;

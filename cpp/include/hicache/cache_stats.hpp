@@ -35,6 +35,13 @@ struct CacheStats {
   std::int64_t hits = 0;           ///< calls that returned > 0
   std::int64_t hit_tokens = 0;     ///< tokens served from host memory
   std::int64_t deferred = 0;       ///< calls that returned -1 (allocate refused)
+  /// Load or recompute (CacheConfig::prefill_seconds): hits served shorter than found because
+  /// recomputing the rest was faster, and the pages left to recompute.
+  std::int64_t hits_trimmed = 0;
+  std::int64_t pages_recomputed = 0;
+  std::int64_t layerwise_loads = 0;  ///< hits loaded layer by layer
+  /// The copier's measured load rate (bytes/s; 0 until measured), what the decision uses.
+  double load_bytes_per_s = 0;
   // store
   std::int64_t stores = 0;       ///< store calls
   std::int64_t store_skips = 0;  ///< store calls that could not keep every full block (pool busy)

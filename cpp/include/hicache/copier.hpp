@@ -31,6 +31,13 @@ class Fence {
   virtual bool done() = 0;
   /// Blocks until done; never throws (used on teardown).
   virtual void wait() noexcept = 0;
+  /// Makes work enqueued on `stream` after this call wait for the fence, without blocking the
+  /// caller where the device can (a CUDA event wait); by default the caller blocks until done.
+  /// @throws hicache::Error if the device refuses the wait.
+  virtual void enqueue_wait(StreamHandle stream) {
+    (void)stream;
+    wait();
+  }
 };
 
 class Copier {
@@ -46,6 +53,15 @@ class Copier {
   virtual void copy_pages(Direction dir, const PageLayout& layout, std::span<const PageMove> moves,
                           StreamHandle stream) = 0;
 
+  /// Enqueues copies of segments [first, last) of whole pages (the bytes of one layer, for
+  /// layer-wise loads): the host side is each page's bytes [page_offset(first), page_offset(last))
+  /// at the same place as in a whole-page copy. The default takes only the whole page.
+  /// @throws hicache::Error if the copy cannot be enqueued (or this copier copies whole pages
+  /// only).
+  virtual void copy_segments(Direction dir, const PageLayout& layout,
+                             std::span<const PageMove> moves, std::size_t first, std::size_t last,
+                             StreamHandle stream);
+
   /// Enqueues one contiguous copy between an engine buffer and host memory (state slots).
   /// @throws hicache::Error if the copy cannot be enqueued.
   virtual void copy_bytes(Direction dir, const DeviceBuffer& engine_buffer, std::byte* host,
@@ -59,6 +75,10 @@ class Copier {
 
   /// Whether engine memory on `device` can be reached by this copier.
   virtual bool supports(Device device) const = 0;
+
+  /// Bytes a second of recent loads (host to engine), as this copier measured them (a decayed
+  /// average weighted by bytes, competing traffic included); 0 until one was measured.
+  virtual double load_bytes_per_s() const { return 0.0; }
 
   /// How pages move, for users and logs: "cpu", "deferred", "null"; the CUDA copier, once
   /// bound: "dma", "staged" or "kernel".

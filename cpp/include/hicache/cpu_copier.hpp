@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "hicache/copier.hpp"
+#include "hicache/copy_rate.hpp"
 
 namespace hicache {
 
@@ -17,15 +18,19 @@ class CpuCopier : public Copier {
   explicit CpuCopier(std::shared_ptr<HostAllocator> allocator = make_aligned_host_allocator());
   void copy_pages(Direction dir, const PageLayout& layout, std::span<const PageMove> moves,
                   StreamHandle stream) override;
+  void copy_segments(Direction dir, const PageLayout& layout, std::span<const PageMove> moves,
+                     std::size_t first, std::size_t last, StreamHandle stream) override;
   void copy_bytes(Direction dir, const DeviceBuffer& engine_buffer, std::byte* host,
                   StreamHandle stream) override;
   std::unique_ptr<Fence> record(StreamHandle stream) override;
   std::shared_ptr<HostAllocator> host_allocator() override { return allocator_; }
   bool supports(Device device) const override { return device.kind == DeviceKind::kCpu; }
   const char* path() const override { return "cpu"; }
+  double load_bytes_per_s() const override { return load_rate_.bytes_per_s(); }
 
  private:
   std::shared_ptr<HostAllocator> allocator_;
+  CopyRate load_rate_;
 };
 
 /// Moves nothing and allocates nothing: every transfer completes at once and host slots are
@@ -34,6 +39,8 @@ class NullCopier : public Copier {
  public:
   NullCopier();
   void copy_pages(Direction, const PageLayout&, std::span<const PageMove>, StreamHandle) override {}
+  void copy_segments(Direction, const PageLayout&, std::span<const PageMove>, std::size_t,
+                     std::size_t, StreamHandle) override {}
   void copy_bytes(Direction, const DeviceBuffer&, std::byte*, StreamHandle) override {}
   std::unique_ptr<Fence> record(StreamHandle stream) override;
   std::shared_ptr<HostAllocator> host_allocator() override { return allocator_; }
@@ -54,6 +61,8 @@ class DeferredCopier : public Copier {
   DeferredCopier();
   void copy_pages(Direction dir, const PageLayout& layout, std::span<const PageMove> moves,
                   StreamHandle stream) override;
+  void copy_segments(Direction dir, const PageLayout& layout, std::span<const PageMove> moves,
+                     std::size_t first, std::size_t last, StreamHandle stream) override;
   void copy_bytes(Direction dir, const DeviceBuffer& engine_buffer, std::byte* host,
                   StreamHandle stream) override;
   std::unique_ptr<Fence> record(StreamHandle stream) override;
@@ -64,6 +73,9 @@ class DeferredCopier : public Copier {
   /// Performs every queued copy of `stream`, in order, and completes its fences.
   /// Returns the number of copies performed.
   std::size_t complete(StreamHandle stream);
+  /// Performs the next `copies` queued copies of `stream` and completes the fences recorded
+  /// before the copy after them (a stream part done: one layer of a layer-wise load).
+  std::size_t complete_next(StreamHandle stream, std::size_t copies = 1);
   /// The same for every stream.
   std::size_t complete();
   /// Copies queued and not yet performed, over all streams.

@@ -24,6 +24,7 @@
 #include "hicache/cache_stats.hpp"
 #include "hicache/copier.hpp"
 #include "hicache/host_pool.hpp"
+#include "hicache/layerwise_load.hpp"
 #include "hicache/page_layout.hpp"
 #include "hicache/prefix_index.hpp"
 #include "hicache/slot_mover.hpp"
@@ -65,15 +66,22 @@ class HostPrefixCache {
   /// `state_out`'s buffers) on `stream`, so work the engine enqueues after it on that stream sees
   /// the data. The blocks and `state_out` must stay valid until the copies into them completed (in
   /// stream order on a GPU; poll() retires them).
+  /// With `layerwise` (CacheConfig::layer_segments must be set), the pages' copies are enqueued
+  /// layer group by layer group, each with a fence in *layerwise (the state's first, under layer
+  /// 0's): the engine waits for layer i right before computing it (layerwise_load.hpp), so
+  /// `stream` should be a copy stream of its own. With CacheConfig::prefill_seconds the hit is
+  /// first cut to what is faster to load than to recompute (load_or_recompute.hpp).
   /// @return tokens served (a multiple of block_tokens; the engine prefills from there), 0 on a
   ///         miss or cache failure (counted; never thrown), -1 if allocate deferred.
-  /// @throws std::invalid_argument for an empty prompt, a missing or wrong-sized state_out, or
-  ///         an allocate result of the wrong length or with duplicates; std::out_of_range for a
-  ///         block id outside the pool. Nothing is copied when it throws.
+  /// @throws std::invalid_argument for an empty prompt, a missing or wrong-sized state_out, an
+  ///         allocate result of the wrong length or with duplicates, or `layerwise` without
+  ///         layer_segments; std::out_of_range for a block id outside the pool. Nothing is
+  ///         copied when it throws.
   std::int64_t try_resume(std::string_view request_id, std::span<const std::int32_t> prompt,
                           const AllocateFn& allocate, StreamHandle stream = nullptr,
                           std::optional<StateBuffers> state_out = std::nullopt,
-                          std::optional<std::string_view> salt = std::nullopt);
+                          std::optional<std::string_view> salt = std::nullopt,
+                          LayerwiseLoad* layerwise = nullptr);
 
   /// Write-through after prefill: enqueues on `stream` the copy of every full block of `tokens`
   /// not yet cached that the admission policy admits (the first page it declines ends the store:
@@ -123,7 +131,7 @@ class HostPrefixCache {
     bool discard = false;  // store of a forgotten request, or one that raised: never published
     bool open = false;     // its store() call is still running: not retired yet
     std::chrono::steady_clock::time_point started = std::chrono::steady_clock::now();
-    std::unique_ptr<Fence> fence;
+    std::shared_ptr<Fence> fence;  // shared with a LayerwiseLoad (its last layer's)
     std::vector<Entry*> pages;
     std::vector<Entry*> states;
     std::vector<Key> parents;  // with a tier: each stored page's parent key (salt digest first)
@@ -149,6 +157,13 @@ class HostPrefixCache {
   // or its allocation failed (counted as an error).
   std::byte* host_slot(HostPool& pool, std::int64_t slot, bool& unpinned);
   void note_success() { consecutive_errors_ = 0; }
+  // Enqueues the load of `moves` (and the state) on `stream`, whole or layer group by layer
+  // group (filling layerwise's fences). @throws hicache::Error as the copier does.
+  void enqueue_load(std::span<const PageMove> moves, const StateBuffers* state_out,
+                    std::byte* state_slot, StreamHandle stream, LayerwiseLoad* layerwise);
+  // The pages of an h-page hit worth loading (CacheConfig::prefill_seconds). Unlocked.
+  std::size_t worth_loading(std::size_t h, std::int64_t prompt_tokens, bool layerwise,
+                            bool whole_or_nothing);
   // Registers what was enqueued so far; if no fence can be recorded the entries stay held
   // forever (never reused while a copy might still touch them) and nullptr is returned.
   Transfer* register_transfer(Transfer t, StreamHandle stream, bool failed);
@@ -160,6 +175,7 @@ class HostPrefixCache {
 
   CacheConfig config_;
   std::vector<std::int64_t> state_parts_;  // bytes of each part of a state
+  std::vector<std::size_t> layer_starts_;  // first segment of each layer group, and the end
   // The copier half (the engine's segments, the page pool and the copier) and the index half
   // (pages, admission, eviction, serials) of the split API: try_resume and store are the
   // one-call form of their steps. The catalog's index is used under mu_ (entries carry tokens).

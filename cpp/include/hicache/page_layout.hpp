@@ -36,6 +36,10 @@ class PageLayout {
   std::size_t page_bytes() const { return page_bytes_; }
   /// Offset of segment s inside a host page.
   std::size_t page_offset(std::size_t s) const { return offsets_[s]; }
+  /// Where segment s - 1 ends in a host page (page_bytes() for s = the number of segments).
+  std::size_t page_offset_end(std::size_t s) const {
+    return s < offsets_.size() ? offsets_[s] : page_bytes_;
+  }
   std::byte* block_address(std::size_t s, std::int64_t block) const {
     const Segment& seg = segments_[s];
     return static_cast<std::byte*>(seg.base) + block * seg.block_stride;

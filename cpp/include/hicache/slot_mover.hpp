@@ -73,6 +73,7 @@ class SlotMover {
   /// For a front end that tracks completion itself (HostPrefixCache: a transfer of pages and
   /// state under one fence): the copier, bound to the layout, and the pool.
   Copier& copier() { return *copier_; }
+  const Copier& copier() const { return *copier_; }
   HostPool& pool() { return *pool_; }
   const HostPool& pool() const { return *pool_; }
   /// Enqueues page copies between host addresses (of this pool's slots) and blocks, without a

@@ -2,14 +2,16 @@
 
 from .engine import PagedEngine, RequestResult
 from .model import PRESETS, ModelConfig, TinyTransformer
-from .workload import Conversation, make_conversations
+from .workload import AGENTIC_DEFAULTS, Conversation, make_agent_sessions, make_conversations
 
 __all__ = [
+    "AGENTIC_DEFAULTS",
     "PRESETS",
     "Conversation",
     "ModelConfig",
     "PagedEngine",
     "RequestResult",
     "TinyTransformer",
+    "make_agent_sessions",
     "make_conversations",
 ]

@@ -19,12 +19,13 @@ leave up to a chunk of each prompt uncached.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 from .._core import Tier
-from ..cache import HostPrefixCache
+from ..cache import HostPrefixCache, LayerwiseLoad
 from .model import TinyTransformer
 
 
@@ -37,6 +38,7 @@ class RequestResult:
     ttft_s: float
     load_s: float = 0.0  # try_resume, with the copies finished (GPU: synchronized)
     hit_bytes: int = 0
+    loaded_tokens: int = 0  # tokens hicache loaded (cached_tokens is what the prefill skipped)
 
 
 @dataclass
@@ -48,6 +50,11 @@ class _Sequence:
     # reads a prefix view of these instead of gathering the blocks again for every chunk.
     k_buf: dict[int, torch.Tensor] = field(default_factory=dict)
     v_buf: dict[int, torch.Tensor] = field(default_factory=dict)
+    # A layer-wise load in flight: each full-attention layer waits for its copies before its
+    # first chunk touches its blocks (and takes the served prefix into k_buf/v_buf then).
+    load: LayerwiseLoad | None = None
+    served: int = 0  # tokens of the load the prefill uses
+    waiting: set[int] = field(default_factory=set)  # full layers not yet waited for
 
 
 class PagedEngine:
@@ -66,6 +73,9 @@ class PagedEngine:
         prefill_chunk: int | None = None,
         tier: Tier | None = None,
         tier_space: str = "demo",
+        layerwise: bool = False,
+        prefill_tokens_per_s: float | None = None,
+        prefill_seconds: Callable[[int, int], float] | None = None,
     ) -> None:
         self.model, self.cfg, self.B = model, model.cfg, block_tokens
         cfg, dev, dt = model.cfg, model.device, model.dtype
@@ -89,6 +99,9 @@ class PagedEngine:
         self.staging = torch.zeros(max(self.state_elems, 1), device=dev, dtype=dt)
         self.state_lookback = state_lookback
         self.measure_load = measure_load
+        self.layerwise = layerwise
+        # Layer-wise loads run on a copy stream of their own, beside the prefill.
+        self.copy_stream = torch.cuda.Stream(dev) if layerwise and dev.type == "cuda" else None
         self.cache: HostPrefixCache | None = None
         if cache_pages > 0:
             segments = [t for layer in self.full_layers for t in (self.k_pool[layer], self.v_pool[layer])]
@@ -105,6 +118,9 @@ class PagedEngine:
                 tier=tier,
                 tier_space=tier_space,
                 tier_wait_ms=1000.0,  # the demo shows what the tier serves, not its deadline
+                layers=len(self.full_layers),  # K and V of each full-attention layer
+                prefill_tokens_per_s=prefill_tokens_per_s,
+                prefill_seconds=prefill_seconds,
             )
         self.page_bytes = sum(t[0].numel() * t.element_size() for t in self.k_pool.values()) * 2
 
@@ -117,8 +133,14 @@ class PagedEngine:
         n = tokens.shape[0]
         c1 = c0 + n
         pos = torch.arange(c0, c1, device=m.device)
+        # The pool slot of each token: its block's id * B + its offset in the block.
+        table = torch.tensor(seq.table[c0 // B : (c1 - 1) // B + 1], device=m.device)
+        slots = (table[:, None] * B + torch.arange(B, device=m.device)[None, :]).reshape(-1)
+        slots = slots[c0 % B : c0 % B + n]
         h = m.embed_tokens(tokens)
         for layer in range(cfg.n_layers):
+            if layer in seq.waiting:
+                self._take_layer(seq, layer)
             q, k, v = m.qkv(layer, h, pos)
             if cfg.is_sliding(layer):
                 kk = torch.cat([seq.ring_k[layer], k])
@@ -127,16 +149,32 @@ class PagedEngine:
                 h = m.attend_and_mlp(layer, h, q, kk, vv, pos, kpos)
                 seq.ring_k[layer], seq.ring_v[layer] = kk[-cfg.window :], vv[-cfg.window :]
             else:
-                for p0 in range(c0, c1, B):  # block by block: what hicache stores
-                    p1 = min(c1, (p0 // B + 1) * B)
-                    block, off = seq.table[p0 // B], p0 % B
-                    self.k_pool[layer][block, off : off + p1 - p0] = k[p0 - c0 : p1 - c0]
-                    self.v_pool[layer][block, off : off + p1 - p0] = v[p0 - c0 : p1 - c0]
+                # Into the paged pool (what hicache stores), and the request's contiguous copy.
+                self.k_pool[layer].view(-1, cfg.n_kv_heads, cfg.head_dim).index_copy_(0, slots, k)
+                self.v_pool[layer].view(-1, cfg.n_kv_heads, cfg.head_dim).index_copy_(0, slots, v)
                 seq.k_buf[layer][c0:c1] = k
                 seq.v_buf[layer][c0:c1] = v
                 kk, vv = seq.k_buf[layer][:c1], seq.v_buf[layer][:c1]
                 h = m.attend_and_mlp(layer, h, q, kk, vv, pos, torch.arange(0, c1, device=m.device))
         return h[-1]
+
+    def _take_served(self, seq: _Sequence, layer: int) -> None:
+        """The served prefix of a full layer's loaded blocks into the request's contiguous K/V."""
+        cfg, start = self.cfg, seq.served
+        if start == 0:
+            return
+        hit = seq.table[: start // self.B]
+        shape = (start, cfg.n_kv_heads, cfg.head_dim)
+        seq.k_buf[layer][:start] = self.k_pool[layer][hit].reshape(shape)
+        seq.v_buf[layer][:start] = self.v_pool[layer][hit].reshape(shape)
+
+    def _take_layer(self, seq: _Sequence, layer: int) -> None:
+        """Layer-wise: this layer's copies must land before the compute stream touches its
+        blocks (reads the served ones, or overwrites loaded ones past a chunk boundary)."""
+        assert seq.load is not None
+        seq.load.wait(self.full_layers.index(layer))  # the device waits, not this thread
+        seq.waiting.discard(layer)
+        self._take_served(seq, layer)
 
     # --- state: the rings of the sliding layers, flattened into the staging tensor --------
 
@@ -180,26 +218,29 @@ class PagedEngine:
         start, load_s, got = 0, 0.0, 0
         C = self.C
         if self.cache is not None:
-            got = self.cache.try_resume(
-                request_id,
-                tokens,
-                lambda n: seq.table[: n // B],
-                state_out=self.staging if self.state_elems else None,
-            )
+            state_out = self.staging if self.state_elems else None
+            alloc = lambda n: seq.table[: n // B]  # noqa: E731
+            if self.layerwise:
+                seq.load = self.cache.try_resume_layerwise(
+                    request_id, tokens, alloc, stream=self.copy_stream, state_out=state_out
+                )
+                got = seq.load.tokens
+            else:
+                got = self.cache.try_resume(request_id, tokens, alloc, state_out=state_out)
             # Used up to a chunk boundary (a chain cut by eviction can end inside a chunk): the
             # rest of the loaded blocks is recomputed, as a recompute would compute it.
             start = got // C * C
-            if start > 0:
-                hit = seq.table[: start // B]  # the blocks hicache filled, on this stream
-                for layer in self.full_layers:
-                    seq.k_buf[layer][:start] = self.k_pool[layer][hit].reshape(
-                        start, cfg.n_kv_heads, cfg.head_dim
-                    )
-                    seq.v_buf[layer][:start] = self.v_pool[layer][hit].reshape(
-                        start, cfg.n_kv_heads, cfg.head_dim
-                    )
+            seq.served = start
+            if got > 0 and self.layerwise:
+                seq.waiting = set(self.full_layers)
                 if self.state_elems:
-                    self._import_state(seq)
+                    assert seq.load is not None
+                    seq.load.wait(0)  # the state arrives with layer 0
+            elif start > 0:
+                for layer in self.full_layers:  # on this stream, after the copies
+                    self._take_served(seq, layer)
+            if start > 0 and self.state_elems:
+                self._import_state(seq)
             if self.measure_load:
                 self._sync()
                 load_s = time.perf_counter() - t0
@@ -238,4 +279,5 @@ class PagedEngine:
             self.cache.poll()
             self.cache.forget(request_id)
         self.free.extend(reversed(seq.table))
-        return RequestResult(request_id, L, start, generated, ttft, load_s, (got // B) * self.page_bytes)
+        got = max(got, 0)
+        return RequestResult(request_id, L, start, generated, ttft, load_s, (got // B) * self.page_bytes, got)

@@ -38,6 +38,22 @@ PRESETS = {
 }
 
 
+def _causal_flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Attention of the last T of S positions over all S, causal, on a GPU: q [T, heads, dim],
+    k and v [S, kv_heads, dim] -> [T, heads, dim]. Flash attention aligns the causal mask to the
+    bottom right (query i sits at position S - T + i) without materializing it, and takes grouped
+    K/V as they are. The same shapes always run the same kernel, so a chunk computes the same
+    bits whether the keys before it were loaded or computed."""
+    from torch.nn.attention.bias import causal_lower_right
+
+    T, S = q.shape[0], k.shape[0]
+    qh, kh, vh = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
+    out = torch.nn.functional.scaled_dot_product_attention(
+        qh, kh, vh, attn_mask=causal_lower_right(T, S), enable_gqa=True
+    )
+    return out[0].transpose(0, 1)
+
+
 def _rope(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """Rotary embedding of x [T, heads, dim] at absolute positions [T]."""
     half = x.shape[-1] // 2
@@ -101,16 +117,22 @@ class TinyTransformer:
         q_pos: torch.Tensor,
         k_pos: torch.Tensor,
     ) -> torch.Tensor:
-        """h + attention(q over k, v at their positions) + MLP. Causal, and windowed when sliding."""
+        """h + attention(q over k, v at their positions) + MLP. Causal, and windowed when sliding.
+
+        A full-attention layer on a GPU whose keys are positions 0.. up to the queries' last
+        takes flash attention (_causal_flash); otherwise an explicit mask (the CPU, windows)."""
         L, cfg = self.layers[layer], self.cfg
-        allowed = (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] >= 0)
-        if cfg.is_sliding(layer):
-            allowed &= k_pos[None, :] > q_pos[:, None] - cfg.window
-        # [heads, T, hd] layouts; grouped-query attention without materializing repeated K/V.
-        out = torch.nn.functional.scaled_dot_product_attention(
-            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=allowed, enable_gqa=True
-        )
-        h = h + out.transpose(0, 1).reshape(h.shape[0], -1) @ L["wo"]
+        if self.device.type == "cuda" and not cfg.is_sliding(layer):
+            out = _causal_flash(q, k, v)
+        else:
+            allowed = (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] >= 0)
+            if cfg.is_sliding(layer):
+                allowed &= k_pos[None, :] > q_pos[:, None] - cfg.window
+            # [heads, T, hd] layouts; grouped-query attention without materializing repeated K/V.
+            out = torch.nn.functional.scaled_dot_product_attention(
+                q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=allowed, enable_gqa=True
+            ).transpose(0, 1)
+        h = h + out.reshape(h.shape[0], -1) @ L["wo"]
         x = self._norm(h)
         return h + (torch.nn.functional.silu(x @ L["w1"]) * (x @ L["w3"])) @ L["w2"]
 

@@ -54,11 +54,25 @@ class Summary:
     tokens_identical: bool
     mismatched_requests: int
     ideal_ratio_p50: float | None = None  # TTFT with cache / (suffix prefill + hit bytes at the DMA rate)
+    # With a layer-wise run beside them (summarize's `layerwise`):
+    ttft_p50_layerwise_ms: float | None = None
+    ttft_p90_layerwise_ms: float | None = None
+    layerwise_tokens_identical: bool | None = None
+    # TTFT layer-wise / max(hit bytes at the DMA rate, suffix prefill), over requests with a hit
+    overlap_ratio_p50: float | None = None
+    overlap_ratio_p90: float | None = None
 
 
 def summarize(
-    with_cache: list[RequestResult], without: list[RequestResult], dma_bytes_per_s: float | None = None
+    with_cache: list[RequestResult],
+    without: list[RequestResult],
+    dma_bytes_per_s: float | None = None,
+    layerwise: list[RequestResult] | None = None,
 ) -> Summary:
+    """Compares a run with the cache (its loads timed apart: load_s) with one without, and
+    optionally a layer-wise run of the same workload. The suffix prefill of a request is its TTFT
+    with the cache minus its load; the ideal of a load-first engine is their sum, that of a
+    layer-wise one their max (the load hidden behind compute, or the compute behind the load)."""
     mismatched = sum(a.generated != b.generated for a, b in zip(with_cache, without, strict=True))
     w = [r.ttft_s * 1e3 for r in with_cache]
     wo = [r.ttft_s * 1e3 for r in without]
@@ -70,7 +84,7 @@ def summarize(
             if r.cached_tokens > 0
         ]
         ideal = round(statistics.median(ratios), 3) if ratios else None
-    return Summary(
+    s = Summary(
         requests=len(with_cache),
         prompt_tokens=sum(r.prompt_tokens for r in with_cache),
         cached_tokens=sum(r.cached_tokens for r in with_cache),
@@ -82,3 +96,20 @@ def summarize(
         mismatched_requests=mismatched,
         ideal_ratio_p50=ideal,
     )
+    if layerwise is not None:
+        lw = [r.ttft_s * 1e3 for r in layerwise]
+        s.ttft_p50_layerwise_ms = round(_pct(lw, 50), 2)
+        s.ttft_p90_layerwise_ms = round(_pct(lw, 90), 2)
+        s.layerwise_tokens_identical = all(
+            a.generated == b.generated for a, b in zip(layerwise, without, strict=True)
+        )
+        if dma_bytes_per_s:
+            overlap = [
+                r.ttft_s / max(r.hit_bytes / dma_bytes_per_s, f.ttft_s - f.load_s)
+                for r, f in zip(layerwise, with_cache, strict=True)
+                if r.cached_tokens > 0 and r.cached_tokens == f.cached_tokens
+            ]
+            if overlap:
+                s.overlap_ratio_p50 = round(_pct(overlap, 50), 3)
+                s.overlap_ratio_p90 = round(_pct(overlap, 90), 3)
+    return s

@@ -1,0 +1,128 @@
+"""Layer-wise loads and the load-or-recompute decision through the Python API (the demo engine's
+use of them is in test_demo.py; the per-layer fences in tests/cpp/test_layerwise.cpp)."""
+
+from __future__ import annotations
+
+import pytest
+
+import hicache
+
+torch = pytest.importorskip("torch")
+
+B = 16
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+
+
+def _segments(device: str = "cpu", layers: int = 3, blocks: int = 8) -> list[torch.Tensor]:
+    # K and V per layer, each layer's of another width, so a wrong segment range shows.
+    return [
+        torch.zeros(blocks, B, 4 * (layer + 1), device=device) for layer in range(layers) for _ in ("k", "v")
+    ]
+
+
+def _stored(segs: list[torch.Tensor], **kwargs: object) -> tuple[hicache.HostPrefixCache, list[int]]:
+    cache = hicache.HostPrefixCache(segs, block_tokens=B, capacity_pages=8, admission="always", **kwargs)
+    for s in segs:
+        s[:2] = torch.randn(2, *s.shape[1:], device=s.device)
+    prompt = list(range(2 * B + 1))
+    assert cache.store("s", prompt, [0, 1, 2]) == 2
+    if segs[0].is_cuda:
+        torch.cuda.synchronize()
+    cache.poll()
+    return cache, prompt
+
+
+def test_a_layerwise_load_brings_every_layer() -> None:
+    segs = _segments()
+    cache, prompt = _stored(segs, layers=3)
+    load = cache.try_resume_layerwise("r", prompt, lambda n: [4, 5][: n // B])
+    assert (load.tokens, load.layers) == (2 * B, 3)
+    for i in range(3):
+        load.wait(i)
+        assert load.ready(i)
+    load.synchronize()
+    assert all(torch.equal(s[4:6], s[0:2]) for s in segs)
+    assert cache.stats().layerwise_loads == 1
+    miss = cache.try_resume_layerwise("m", [9] * 40, lambda n: [6, 7][: n // B])
+    assert (miss.tokens, miss.layers) == (0, 0) and miss.ready(5)
+
+
+def test_layers_are_checked_and_required() -> None:
+    segs = _segments()
+    with pytest.raises(ValueError, match=r"layers=4 does not split the 6 segments"):
+        hicache.HostPrefixCache(segs, block_tokens=B, capacity_pages=8, layers=4)
+    with pytest.raises(ValueError, match=r"add up to the 6 segments"):
+        hicache.HostPrefixCache(segs, block_tokens=B, capacity_pages=8, layers=[2, 2, 1])
+    with pytest.raises(TypeError, match="layers must be"):
+        hicache.HostPrefixCache(segs, block_tokens=B, capacity_pages=8, layers="3")
+    uneven = hicache.HostPrefixCache(segs, block_tokens=B, capacity_pages=8, layers=[1, 3, 2])
+    assert uneven.layers == 3
+    plain = hicache.HostPrefixCache(segs, block_tokens=B, capacity_pages=8)
+    with pytest.raises(ValueError, match="needs the cache built with layers="):
+        plain.try_resume_layerwise("r", list(range(40)), lambda n: [0, 1][: n // B])
+    with pytest.raises(ValueError, match="at most one of prefill_tokens_per_s and prefill_seconds"):
+        hicache.HostPrefixCache(
+            segs, block_tokens=B, capacity_pages=8, prefill_tokens_per_s=1.0, prefill_seconds=lambda a, b: 0.0
+        )
+    with pytest.raises(ValueError, match="prefill_tokens_per_s must be"):
+        hicache.HostPrefixCache(segs, block_tokens=B, capacity_pages=8, prefill_tokens_per_s=0)
+
+
+def test_a_hit_is_recomputed_when_the_engine_prefills_faster_than_it_loads() -> None:
+    segs = _segments()
+    asked: list[tuple[int, int]] = []
+    speed = {"tokens_per_s": 1.0}  # slow at first: every hit is worth loading
+
+    def prefill_seconds(start: int, end: int) -> float:
+        asked.append((start, end))
+        return (end - start) / speed["tokens_per_s"]
+
+    cache, prompt = _stored(segs, prefill_seconds=prefill_seconds)
+    assert cache.try_resume("a", prompt, lambda n: [4, 5][: n // B]) == 2 * B  # measures the rate
+    assert asked == [] and cache.stats().load_bytes_per_s > 0
+    assert cache.try_resume("b", prompt, lambda n: [4, 5][: n // B]) == 2 * B
+    assert (0, 2 * B + 1) in asked and (2 * B, 2 * B + 1) in asked
+    speed["tokens_per_s"] = 1e18  # now recomputing beats any copy
+    assert cache.try_resume("c", prompt, lambda n: [4, 5][: n // B]) == 0
+    s = cache.stats()
+    assert (s.hits, s.hits_trimmed, s.pages_recomputed, s.pages_busy) == (2, 1, 2, 0)
+
+
+def test_a_bad_prefill_model_is_named() -> None:
+    segs = _segments()
+    for bad, message in [
+        (lambda start, end: -1.0, r"prefill_seconds\(32, 33\) must return a number of seconds >= 0"),
+        (lambda start, end: "slow", r"prefill_seconds\(32, 33\) must return"),
+        (lambda: 1.0, "prefill_seconds must take"),
+    ]:
+        cache, prompt = _stored(segs, prefill_seconds=bad)
+        cache.try_resume("a", prompt, lambda n: [4, 5][: n // B])
+        with pytest.raises((ValueError, TypeError), match=message):
+            cache.try_resume("b", prompt, lambda n: [4, 5][: n // B])
+        assert cache.stats().pages_busy == 0  # the pages the failed call held are free again
+
+
+@needs_gpu
+@pytest.mark.parametrize("chunk", [1 << 20, 32 << 10], ids=["dma-1MiB", "kernel-32KiB"])
+def test_on_a_gpu_the_compute_stream_waits_for_each_layer_on_the_device(chunk: int) -> None:
+    # Up to 64 MiB a layer: the copy stream is still busy when the engine asks for layer 0.
+    # Chunks of 1 MiB cross on the DMA engines, 32 KiB ones through the kernel's layer table.
+    segs = [torch.zeros(16, B, chunk // B, device="cuda", dtype=torch.uint8) for _ in range(8)]
+    cache = hicache.HostPrefixCache(segs, block_tokens=B, capacity_pages=8, admission="always", layers=4)
+    for i, s in enumerate(segs):
+        s[:4] = i + 1
+    prompt = list(range(4 * B + 1))
+    assert cache.store("s", prompt, [0, 1, 2, 3, 4]) == 4
+    torch.cuda.synchronize()
+    cache.poll()
+    copy = torch.cuda.Stream()
+    load = cache.try_resume_layerwise("r", prompt, lambda n: [8, 9, 10, 11][: n // B], stream=copy)
+    assert load.tokens == 4 * B and load.layers == 4
+    sums = []
+    for layer in range(4):
+        load.wait(layer)  # the current stream waits; this thread does not
+        sums.append([int(segs[2 * layer + j][8:12].sum(dtype=torch.int64)) for j in range(2)])
+    torch.cuda.synchronize()
+    expected = [[(2 * layer + j + 1) * 4 * chunk for j in range(2)] for layer in range(4)]
+    assert sums == expected
+    assert cache.stats().load_bytes_per_s > 1e9
