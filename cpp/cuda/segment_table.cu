@@ -48,11 +48,19 @@ SegmentTable::SegmentTable(std::vector<SegmentDesc> table, int vec, int threads)
     tiles_per_page_ += (r.bytes + tile - 1) / tile;
   }
   HICACHE_CUDA_CHECK(cudaMalloc(&rows_, table.size() * sizeof(SegmentDesc)));
-  const cudaError_t err =
-      cudaMemcpy(rows_, table.data(), table.size() * sizeof(SegmentDesc), cudaMemcpyHostToDevice);
+  // On a stream of its own: a plain cudaMemcpy runs on the legacy default stream, which may be
+  // waiting for a load this table is made for (the load scheduler makes tables at first use).
+  cudaStream_t s = nullptr;
+  cudaError_t err = cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
+  if (err == cudaSuccess) {
+    err = cudaMemcpyAsync(rows_, table.data(), table.size() * sizeof(SegmentDesc),
+                          cudaMemcpyHostToDevice, s);
+    if (err == cudaSuccess) err = cudaStreamSynchronize(s);
+    cudaStreamDestroy(s);
+  }
   if (err != cudaSuccess) {
     cudaFree(rows_);
-    throw_cuda_error(err, "cudaMemcpy(segment table)", __FILE__, __LINE__);
+    throw_cuda_error(err, "cudaMemcpyAsync(segment table)", __FILE__, __LINE__);
   }
 }
 

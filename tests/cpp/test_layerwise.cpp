@@ -174,13 +174,13 @@ TEST(LoadOrRecompute, TheCacheServesAHitOnlyWhenLoadingItIsFaster) {
   EXPECT_EQ(s.hits, 2);
 }
 
-TEST(CopyRate, WeighsByBytesFollowsASlowerLinkAndForgetsAStaleRate) {
+TEST(CopyRate, CountsTheTimeLoadsTookFollowsASlowerLinkAndForgetsAStaleRate) {
   hicache::CopyRate rate(/*half_life_bytes=*/1e6, /*stale_after_s=*/0.2);
   EXPECT_EQ(rate.bytes_per_s(), 0.0);
   rate.add(1'000'000, 0.001);  // 1 GB/s
   EXPECT_DOUBLE_EQ(rate.bytes_per_s(), 1e9);
-  rate.add(1'000, 0.001);  // a small copy, mostly latency, moves it little
-  EXPECT_GT(rate.bytes_per_s(), 0.6e9);
+  rate.add(1'000'000, 0.003);  // one that waited behind other copies: the time counts
+  EXPECT_NEAR(rate.bytes_per_s(), 1.5e6 / 0.0035, 1.0);   // the first weighs half (half-life)
   for (int i = 0; i < 8; ++i) rate.add(1'000'000, 0.01);  // the link slowed to 0.1 GB/s
   EXPECT_LT(rate.bytes_per_s(), 0.11e9);
   std::this_thread::sleep_for(std::chrono::milliseconds(300));

@@ -126,3 +126,26 @@ def test_on_a_gpu_the_compute_stream_waits_for_each_layer_on_the_device(chunk: i
     expected = [[(2 * layer + j + 1) * 4 * chunk for j in range(2)] for layer in range(4)]
     assert sums == expected
     assert cache.stats().load_bytes_per_s > 1e9
+
+
+@needs_gpu
+def test_a_small_load_is_not_queued_behind_a_large_one_on_another_stream() -> None:
+    # The DMA engines run copies in submission order across streams: a small hit issued after a
+    # 2 GiB one would wait for all of it. It goes around instead, and is in the engine's blocks
+    # (byte for byte) while the large load is still crossing.
+    segs = [torch.zeros(136, B, 1 << 16, device="cuda", dtype=torch.uint8) for _ in range(16)]  # 16 MiB pages
+    cache = hicache.HostPrefixCache(segs, block_tokens=B, capacity_pages=136, admission="always", pin_upfront=True)
+    for s in segs:
+        s[:132].random_(0, 256)
+    big, small = list(range(128 * B + 1)), list(range(10**6, 10**6 + 4 * B + 1))
+    assert cache.store("big", big, list(range(129))) == 128
+    assert cache.store("small", small, [128, 129, 130, 131, 132]) == 4
+    torch.cuda.synchronize()
+    cache.poll()
+    s_big, s_small = torch.cuda.Stream(), torch.cuda.Stream()
+    assert cache.try_resume("b", big, lambda n: [i % 128 for i in range(n // B)], stream=s_big) == 128 * B
+    assert cache.try_resume("s", small, lambda n: [132, 133, 134, 135][: n // B], stream=s_small) == 4 * B
+    s_small.synchronize()
+    assert not s_big.query(), "the 2 GiB load ended before the small one: nothing to go around"
+    assert all(torch.equal(s[132:136], s[128:132]) for s in segs)
+    torch.cuda.synchronize()

@@ -7,11 +7,12 @@
 
 namespace hicache {
 
-/// The rates of recent copies, averaged with their bytes as weights: earlier measurements fade by
-/// half with every `half_life_bytes` measured after them, so the rate follows a link that became
-/// slower (a competing copy) within a few loads, and one small copy (mostly latency) moves it
-/// little. A rate not measured for `stale_after_s` is forgotten (0): a cache that declined every
-/// hit on a slow link measures again once the link may have recovered. Thread-safe.
+/// Bytes over seconds of recent copies (the time a load really took, waits behind other streams'
+/// copies included): earlier measurements fade by half with every `half_life_bytes` measured
+/// after them, and at least by half with each new one, so the rate follows a link that became
+/// slower (a competing copy) within a load or two. A rate not measured for `stale_after_s` is
+/// forgotten (0): a cache that declined every hit on a slow link measures again once the link may
+/// have recovered. Thread-safe.
 class CopyRate {
  public:
   explicit CopyRate(double half_life_bytes = double(std::size_t{1} << 30),
@@ -25,8 +26,8 @@ class CopyRate {
   double half_life_;
   double stale_after_;
   mutable std::mutex mu_;
-  double bytes_ = 0;     // decayed bytes
-  double weighted_ = 0;  // decayed sum of bytes * rate
+  double bytes_ = 0;  // decayed
+  double seconds_ = 0;
   std::chrono::steady_clock::time_point last_{};
 };
 
