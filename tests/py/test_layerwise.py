@@ -134,7 +134,9 @@ def test_a_small_load_is_not_queued_behind_a_large_one_on_another_stream() -> No
     # 2 GiB one would wait for all of it. It goes around instead, and is in the engine's blocks
     # (byte for byte) while the large load is still crossing.
     segs = [torch.zeros(136, B, 1 << 16, device="cuda", dtype=torch.uint8) for _ in range(16)]  # 16 MiB pages
-    cache = hicache.HostPrefixCache(segs, block_tokens=B, capacity_pages=136, admission="always", pin_upfront=True)
+    cache = hicache.HostPrefixCache(
+        segs, block_tokens=B, capacity_pages=136, admission="always", pin_upfront=True
+    )
     for s in segs:
         s[:132].random_(0, 256)
     big, small = list(range(128 * B + 1)), list(range(10**6, 10**6 + 4 * B + 1))
