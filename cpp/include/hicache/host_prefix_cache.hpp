@@ -3,7 +3,8 @@
 // states), exact prefix resume, LRU eviction of idle entries, transfers retired by poll().
 //
 // Threads: every public method may be called from several threads at once. Callbacks
-// (allocate, state_export) are called without the cache's lock held, so they may call the cache.
+// (allocate, state_export, CacheConfig::prefill_seconds) are called without the cache's lock
+// held, so they may call the cache.
 
 #include <chrono>
 #include <cstdint>
