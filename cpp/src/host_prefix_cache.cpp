@@ -397,6 +397,7 @@ std::int64_t HostPrefixCache::try_resume(std::string_view request_id,
   if (!blocks) {
     release();
     ++stats_.deferred;
+    if (layerwise) layerwise->tokens_ = -1;
     return -1;
   }
   try {

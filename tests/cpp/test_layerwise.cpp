@@ -98,6 +98,17 @@ TEST(Layerwise, AMissHasNothingToWaitFor) {
   EXPECT_TRUE(load.ready(7));
   load.wait(7, kComputeStream);
   load.synchronize();
+  // A deferral says so, as try_resume does.
+  for (std::int64_t b = 0; b < 2; ++b) eng.fill(b, static_cast<std::uint32_t>(b));
+  cache.store("s", tokens(40), ids(0, 2));
+  cache.poll();
+  const auto defer = [](std::int64_t) -> std::optional<std::vector<std::int64_t>> {
+    return std::nullopt;
+  };
+  EXPECT_EQ(cache.try_resume("d", tokens(40), defer, nullptr, std::nullopt, std::nullopt, &load),
+            -1);
+  EXPECT_EQ(load.tokens(), -1);
+  EXPECT_EQ(load.layers(), 0u);
 }
 
 TEST(Layerwise, LayerSegmentsAreCheckedAndRequired) {

@@ -24,7 +24,7 @@ class LayerwiseLoad {
  public:
   LayerwiseLoad() = default;
 
-  /// Tokens served (as try_resume returns them).
+  /// Tokens served, as try_resume returns them (0 on a miss, -1 if allocate deferred).
   std::int64_t tokens() const { return tokens_; }
   /// Layers with a fence: the cache's layer groups on a hit, 0 on a miss (nothing to wait for).
   std::size_t layers() const { return fences_.size(); }
