@@ -55,20 +55,23 @@ CopyPath choose_path(const PageLayout& layout, const CudaCopierOptions& opt) {
 // Events are reused: creating one per transfer costs more than the transfer's bookkeeping.
 class EventPool {
  public:
+  explicit EventPool(unsigned flags = cudaEventDisableTiming) : flags_(flags) {}
   ~EventPool() {
     for (cudaEvent_t e : free_) cudaEventDestroy(e);
   }
+  /// @throws hicache::Error if no event can be created.
   cudaEvent_t take() {
-    {
-      std::lock_guard<std::mutex> g(mu_);
-      if (!free_.empty()) {
-        cudaEvent_t e = free_.back();
-        free_.pop_back();
-        return e;
-      }
+    cudaEvent_t e = reuse();
+    if (e == nullptr) HICACHE_CUDA_CHECK(cudaEventCreateWithFlags(&e, flags_));
+    return e;
+  }
+  /// nullptr if no event can be created (for bookkeeping that may go without).
+  cudaEvent_t try_take() noexcept {
+    cudaEvent_t e = reuse();
+    if (e == nullptr && cudaEventCreateWithFlags(&e, flags_) != cudaSuccess) {
+      cudaGetLastError();
+      return nullptr;
     }
-    cudaEvent_t e;
-    HICACHE_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
     return e;
   }
   void give(cudaEvent_t e) {
@@ -77,6 +80,14 @@ class EventPool {
   }
 
  private:
+  cudaEvent_t reuse() {
+    std::lock_guard<std::mutex> g(mu_);
+    if (free_.empty()) return nullptr;
+    cudaEvent_t e = free_.back();
+    free_.pop_back();
+    return e;
+  }
+  unsigned flags_;
   std::mutex mu_;
   std::vector<cudaEvent_t> free_;
 };
@@ -108,10 +119,9 @@ class LoadTimer {
  public:
   ~LoadTimer() {
     for (auto& p : pending_) {
-      cudaEventDestroy(p.start);
-      cudaEventDestroy(p.end);
+      events_.give(p.start);
+      events_.give(p.end);
     }
-    for (cudaEvent_t e : free_) cudaEventDestroy(e);
   }
   struct Mark {
     cudaEvent_t start = nullptr;
@@ -119,10 +129,10 @@ class LoadTimer {
   Mark begin(cudaStream_t s) {
     std::lock_guard<std::mutex> g(mu_);
     if (pending_.size() >= kMaxPending) return {};
-    cudaEvent_t e = take();
+    cudaEvent_t e = events_.try_take();
     if (e != nullptr && cudaEventRecord(e, s) != cudaSuccess) {
       cudaGetLastError();
-      free_.push_back(e);
+      events_.give(e);
       return {};
     }
     return {e};
@@ -130,11 +140,11 @@ class LoadTimer {
   void end(Mark m, cudaStream_t s, std::size_t bytes) {
     if (m.start == nullptr) return;
     std::lock_guard<std::mutex> g(mu_);
-    cudaEvent_t e = take();
+    cudaEvent_t e = events_.try_take();
     if (e == nullptr || cudaEventRecord(e, s) != cudaSuccess) {
       cudaGetLastError();
-      free_.push_back(m.start);
-      if (e != nullptr) free_.push_back(e);
+      events_.give(m.start);
+      if (e != nullptr) events_.give(e);
       return;
     }
     pending_.push_back({m.start, e, bytes});
@@ -147,8 +157,8 @@ class LoadTimer {
       float ms = 0;
       if (cudaEventElapsedTime(&ms, p.start, p.end) == cudaSuccess) rate_.add(p.bytes, ms / 1e3);
       cudaGetLastError();
-      free_.push_back(p.start);
-      free_.push_back(p.end);
+      events_.give(p.start);
+      events_.give(p.end);
     }
     cudaGetLastError();  // a cudaErrorNotReady from the query above
     return rate_.bytes_per_s();
@@ -160,22 +170,9 @@ class LoadTimer {
     cudaEvent_t start, end;
     std::size_t bytes;
   };
-  cudaEvent_t take() {
-    if (!free_.empty()) {
-      cudaEvent_t e = free_.back();
-      free_.pop_back();
-      return e;
-    }
-    cudaEvent_t e = nullptr;
-    if (cudaEventCreate(&e) != cudaSuccess) {
-      cudaGetLastError();
-      return nullptr;
-    }
-    return e;
-  }
+  EventPool events_{cudaEventDefault};  // timing events; outlives pending_'s return to it
   std::mutex mu_;
   std::deque<Pending> pending_;
-  std::vector<cudaEvent_t> free_;
   CopyRate rate_;
 };
 
@@ -194,9 +191,9 @@ class LoadTimer {
 // through UVA pointers, beside the DMA engines.
 class DmaBacklog {
  public:
+  explicit DmaBacklog(std::shared_ptr<EventPool> events) : events_(std::move(events)) {}
   ~DmaBacklog() {
-    for (auto& q : queued_) cudaEventDestroy(q.done);
-    for (cudaEvent_t e : free_) cudaEventDestroy(e);
+    for (auto& q : queued_) events_->give(q.done);
   }
   /// Whether a load of `bytes` on `s` should go around the loads other streams queued (more bytes
   /// than its own; a stream's own loads run before it anyway).
@@ -204,7 +201,7 @@ class DmaBacklog {
     std::lock_guard<std::mutex> g(mu_);
     std::erase_if(queued_, [&](const Queued& q) {
       if (cudaEventQuery(q.done) != cudaSuccess) return false;
-      free_.push_back(q.done);
+      events_->give(q.done);
       return true;
     });
     cudaGetLastError();  // a cudaErrorNotReady from the queries
@@ -215,17 +212,11 @@ class DmaBacklog {
   /// A load of `bytes` was queued on the DMA engines on `s`.
   void add(cudaStream_t s, std::size_t bytes) {
     std::lock_guard<std::mutex> g(mu_);
-    cudaEvent_t e = nullptr;
-    if (!free_.empty()) {
-      e = free_.back();
-      free_.pop_back();
-    } else if (cudaEventCreateWithFlags(&e, cudaEventDisableTiming) != cudaSuccess) {
-      cudaGetLastError();
-      return;
-    }
+    cudaEvent_t e = events_->try_take();
+    if (e == nullptr) return;
     if (cudaEventRecord(e, s) != cudaSuccess) {
       cudaGetLastError();
-      free_.push_back(e);
+      events_->give(e);
       return;
     }
     queued_.push_back({e, s, bytes});
@@ -237,15 +228,15 @@ class DmaBacklog {
     cudaStream_t stream;
     std::size_t bytes;
   };
+  std::shared_ptr<EventPool> events_;
   std::mutex mu_;
   std::vector<Queued> queued_;  // a few loads in flight at most
-  std::vector<cudaEvent_t> free_;
 };
 
 class CudaCopier final : public Copier {
  public:
   CudaCopier(int device, CudaCopierOptions opt)
-      : device_(device), opt_(opt), events_(std::make_shared<EventPool>()) {
+      : device_(device), opt_(opt), events_(std::make_shared<EventPool>()), backlog_(events_) {
     DeviceGuard g(device_);
     int direct = 0;
     HICACHE_CUDA_CHECK(
@@ -309,16 +300,11 @@ class CudaCopier final : public Copier {
     if (table_ == nullptr) throw Error("CUDA copier used before bind()");
     DeviceGuard g(device_);
     auto s = static_cast<cudaStream_t>(stream);
-    const std::size_t bytes = moves.size() * layout.page_bytes();
     if (dir == Direction::kToHost) return copy_whole_pages(dir, moves, s);
-    const auto mark = timer_.begin(s);
-    if (backlog_.passes(bytes, s)) {
-      table_->launch(dir, moves, express_blocks_, s);
-    } else {
-      copy_whole_pages(dir, moves, s);
-      backlog_.add(s, bytes);
-    }
-    timer_.end(mark, s, bytes);
+    load(
+        moves.size() * layout.page_bytes(), s,
+        [&] { copy_whole_pages(Direction::kToDevice, moves, s); },
+        [&] { table_->launch(Direction::kToDevice, moves, express_blocks_, s); });
   }
 
   // One layer's segments of each page (layer-wise loads): chunks of kLayerDmaMinChunk and more
@@ -335,14 +321,22 @@ class CudaCopier final : public Copier {
     }
     DeviceGuard g(device_);
     auto s = static_cast<cudaStream_t>(stream);
-    const std::size_t bytes =
-        moves.size() * (layout.page_offset_end(last) - layout.page_offset(first));
     if (dir == Direction::kToHost) return copy_segment_range(dir, moves, first, last, s);
+    load(
+        moves.size() * (layout.page_offset_end(last) - layout.page_offset(first)), s,
+        [&] { copy_segment_range(Direction::kToDevice, moves, first, last, s); },
+        [&] { sub_table(first, last).launch(Direction::kToDevice, moves, express_blocks_, s); });
+  }
+
+  // A load of `bytes`, timed: `copy` on the layout's path, or `express` (the kernel) when other
+  // streams' loads still queued on the DMA engines hold more bytes than it (DmaBacklog).
+  template <class Copy, class Express>
+  void load(std::size_t bytes, cudaStream_t s, Copy copy, Express express) {
     const auto mark = timer_.begin(s);
     if (backlog_.passes(bytes, s)) {
-      sub_table(first, last).launch(dir, moves, express_blocks_, s);
+      express();
     } else {
-      copy_segment_range(dir, moves, first, last, s);
+      copy();
       backlog_.add(s, bytes);
     }
     timer_.end(mark, s, bytes);

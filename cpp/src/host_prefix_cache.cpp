@@ -378,10 +378,12 @@ std::int64_t HostPrefixCache::try_resume(std::string_view request_id,
     lock.lock();
     ++stats_.hits_trimmed;
     stats_.pages_recomputed += static_cast<std::int64_t>(h - worth);
+    if (worth == 0) {
+      release();
+      return 0;
+    }
     for (std::size_t i = worth; i < h; ++i) pages_.unpin(matched[i]);
-    if (worth == 0 && state) states_.unpin(state);
-    if (worth == 0) return 0;
-    matched.resize(worth);
+    matched.resize(worth);  // whole_or_nothing with a state: worth == h or 0
     h = worth;
     lock.unlock();
   }

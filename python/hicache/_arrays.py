@@ -75,14 +75,16 @@ def callable_arg(name: str, value: Any, signature: str) -> Any:
     return value
 
 
-def call_back(fn: Any, arg: int, name: str) -> Any:
-    """Calls an engine callback with its one argument. Its own exceptions pass unchanged; a
-    callable that cannot take the call (wrong arity) is reported under the argument's name."""
+def call_back(fn: Any, name: str, *args: int) -> Any:
+    """Calls an engine callback with its arguments. Its own exceptions pass unchanged; a callable
+    that cannot take the call (wrong arity) is reported under the argument's name."""
     try:
-        return fn(arg)
+        return fn(*args)
     except TypeError as e:
         if e.__traceback__ is not None and e.__traceback__.tb_next is None:  # failed at the call
-            raise TypeError(f"{name} must take one argument ({arg}); calling it raised: {e}") from e
+            what = "one argument" if len(args) == 1 else f"{len(args)} arguments"
+            shown = ", ".join(map(str, args))
+            raise TypeError(f"{name} must take {what} ({shown}); calling it raised: {e}") from e
         raise
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import operator
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
@@ -212,11 +213,11 @@ class HostPrefixCache:
                 shown = _arrays.show(prefill_tokens_per_s)
                 raise ValueError(f"prefill_tokens_per_s must be a number of tokens a second > 0, not {shown}")
             rate = float(prefill_tokens_per_s)
-        seconds = None
+        seconds = None  # (start, end) -> what the engine's callable returns (the core checks it)
         if prefill_seconds is not None:
-            seconds = _prefill_callback(
-                _arrays.callable_arg("prefill_seconds", prefill_seconds, "(start, end) -> seconds")
-            )
+            fn = _arrays.callable_arg("prefill_seconds", prefill_seconds, "(start, end) -> seconds")
+            seconds = functools.partial(_arrays.call_back, fn, "prefill_seconds")
+
         self._segments = segs
         # Torch lets an engine reallocate a tensor in place (resize_, set_): the cache would then
         # copy through a dangling pointer. Every call that copies first checks that each segment
@@ -293,22 +294,7 @@ class HostPrefixCache:
             ValueError / TypeError / IndexError: a bad argument or ``allocate`` result, named in
             the message; nothing is copied then. Whatever ``allocate`` itself raises.
         """
-        rid = _arrays.as_request_id(request_id)
-        tokens = _arrays.as_tokens(prompt, "prompt")
-        _arrays.callable_arg("allocate", allocate, "tokens -> block ids or None")
-        handle = _arrays.stream_handle(stream, self._segments)
-        out = None if state_out is None else _state_capsules(state_out, "state_out", writable=True)
-        chain_salt = _arrays.as_salt(salt)
-
-        def alloc(n: int) -> list[int] | None:
-            got = _arrays.call_back(allocate, n, "allocate")
-            if got is None:
-                return None
-            blocks = _arrays.block_id_list(got, f"allocate({n})'s result")
-            self._check_segments()  # on a hit only, just before the copies: a miss costs nothing
-            return blocks
-
-        return self._core.try_resume(rid, tokens, alloc, handle, out, chain_salt)
+        return self._resume(request_id, prompt, allocate, stream, state_out, salt, None)
 
     def try_resume_layerwise(
         self,
@@ -340,6 +326,21 @@ class HostPrefixCache:
             raise ValueError(
                 "try_resume_layerwise needs the cache built with layers= (the segments of each layer)"
             )
+        core = _CoreLoad()
+        served = self._resume(request_id, prompt, allocate, stream, state_out, salt, core)
+        return LayerwiseLoad(core, served, self._segments)
+
+    def _resume(
+        self,
+        request_id: Any,
+        prompt: Any,
+        allocate: Allocate,
+        stream: Any,
+        state_out: Any,
+        salt: Any,
+        layerwise: _CoreLoad | None,
+    ) -> int:
+        """try_resume's arguments checked, then the core's call (layer by layer with a load)."""
         rid = _arrays.as_request_id(request_id)
         tokens = _arrays.as_tokens(prompt, "prompt")
         _arrays.callable_arg("allocate", allocate, "tokens -> block ids or None")
@@ -348,16 +349,14 @@ class HostPrefixCache:
         chain_salt = _arrays.as_salt(salt)
 
         def alloc(n: int) -> list[int] | None:
-            got = _arrays.call_back(allocate, n, "allocate")
+            got = _arrays.call_back(allocate, "allocate", n)
             if got is None:
                 return None
             blocks = _arrays.block_id_list(got, f"allocate({n})'s result")
-            self._check_segments()
+            self._check_segments()  # on a hit only, just before the copies: a miss costs nothing
             return blocks
 
-        core = _CoreLoad()
-        served = self._core.try_resume(rid, tokens, alloc, handle, out, chain_salt, core)
-        return LayerwiseLoad(core, served, self._segments)
+        return self._core.try_resume(rid, tokens, alloc, handle, out, chain_salt, layerwise)
 
     def store(
         self,
@@ -397,7 +396,7 @@ class HostPrefixCache:
             _arrays.callable_arg("state_export", state_export, "position -> tensor or None")
 
             def export(pos: int) -> Any:
-                buf = _arrays.call_back(state_export, pos, "state_export")
+                buf = _arrays.call_back(state_export, "state_export", pos)
                 what = f"state_export({pos})'s result"
                 return None if buf is None else _state_capsules(buf, what, writable=False)
 
@@ -495,21 +494,6 @@ class LayerwiseLoad:
     def synchronize(self) -> None:
         """Blocks until every layer is loaded."""
         self._core.synchronize()
-
-
-def _prefill_callback(fn: Callable[[int, int], float]) -> Callable[[int, int], float]:
-    """The engine's prefill_seconds, with a call it cannot take reported under its name (the
-    core checks what it returns)."""
-
-    def seconds(start: int, end: int) -> float:
-        try:
-            return fn(start, end)
-        except TypeError as e:
-            if e.__traceback__ is not None and e.__traceback__.tb_next is None:  # failed at the call
-                raise TypeError(f"prefill_seconds must take (start, end); calling it raised: {e}") from e
-            raise
-
-    return seconds
 
 
 def _layer_segments(layers: Any, n_segments: int) -> list[int]:
