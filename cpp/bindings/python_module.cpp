@@ -751,7 +751,8 @@ NB_MODULE(_core, m) {
       .def(nb::init<>())
       .def_prop_ro("tokens", &hicache::LayerwiseLoad::tokens)
       .def_prop_ro("layers", &hicache::LayerwiseLoad::layers)
-      .def("ready", &hicache::LayerwiseLoad::ready, "layer"_a)
+      .def("ready", &hicache::LayerwiseLoad::ready, "layer"_a,
+           nb::call_guard<nb::gil_scoped_release>())  // may submit copies under the cache's lock
       .def(
           "wait",
           [](const hicache::LayerwiseLoad& self, std::size_t layer, std::uintptr_t stream) {

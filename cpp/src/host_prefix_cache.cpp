@@ -12,6 +12,7 @@
 #include "hicache/error.hpp"
 #include "hicache/hash_chain.hpp"
 #include "hicache/tier_record.hpp"
+#include "layer_queue.hpp"
 #include "tier_link.hpp"
 
 namespace hicache {
@@ -429,9 +430,8 @@ std::int64_t HostPrefixCache::try_resume(std::string_view request_id,
     std::vector<PageMove> moves(h);
     for (std::size_t i = 0; i < h; ++i)
       moves[i] = {(*blocks)[i], mover_.pool().slot(matched[i]->slot)};
-    enqueue_load(moves, state ? &*state_out : nullptr,
-                 state ? state_pool_->slot(state->slot) : nullptr, stream, layerwise);
-    if (layerwise) t.fence = layerwise->fences_.back();
+    t.fence = enqueue_load(moves, state ? &*state_out : nullptr,
+                           state ? state_pool_->slot(state->slot) : nullptr, stream, layerwise);
   } catch (const Error& e) {
     note_error(e.what());
     failed = true;
@@ -456,20 +456,28 @@ std::int64_t HostPrefixCache::try_resume(std::string_view request_id,
   return tokens;
 }
 
-void HostPrefixCache::enqueue_load(std::span<const PageMove> moves, const StateBuffers* state_out,
-                                   std::byte* state_slot, StreamHandle stream,
-                                   LayerwiseLoad* layerwise) {
+std::shared_ptr<Fence> HostPrefixCache::enqueue_load(std::span<const PageMove> moves,
+                                                     const StateBuffers* state_out,
+                                                     std::byte* state_slot, StreamHandle stream,
+                                                     LayerwiseLoad* layerwise) {
   Copier& copier = mover_.copier();
   if (state_out) copy_state(copier, Direction::kToDevice, *state_out, state_slot, stream);
   if (layerwise == nullptr) {
     mover_.copy(Direction::kToDevice, moves, stream);
-    return;
+    return nullptr;
   }
-  for (std::size_t l = 0; l + 1 < layer_starts_.size(); ++l) {
-    copier.copy_segments(Direction::kToDevice, mover_.layout(), moves, layer_starts_[l],
-                         layer_starts_[l + 1], stream);
-    layerwise->fences_.push_back(copier.record(stream));
-  }
+  detail::LayerQueue::Plan plan;
+  plan.copier = &copier;
+  plan.layout = &mover_.layout();
+  plan.moves.assign(moves.begin(), moves.end());
+  plan.layer_starts = layer_starts_;
+  plan.stream = stream;
+  plan.ahead_bytes = config_.layer_issue_ahead_bytes;
+  plan.on_error = [this](const std::string& what) { note_error(what); };
+  auto queue = std::make_shared<detail::LayerQueue>(lock_, std::move(plan));
+  queue->start();  // if it throws, the caller's fence after the call covers what was issued
+  layerwise->queue_ = queue;
+  return queue;
 }
 
 std::size_t HostPrefixCache::worth_loading(std::size_t h, std::int64_t prompt_tokens,

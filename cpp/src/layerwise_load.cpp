@@ -1,29 +1,39 @@
 #include "hicache/layerwise_load.hpp"
 
-#include <stdexcept>
-#include <string>
+#include <utility>
+
+#include "layer_queue.hpp"
 
 namespace hicache {
 
-void LayerwiseLoad::check(std::size_t layer) const {
-  if (!fences_.empty() && layer >= fences_.size()) {
-    throw std::out_of_range("layer " + std::to_string(layer) + " of a load of " +
-                            std::to_string(fences_.size()) + " layers");
+LayerwiseLoad::LayerwiseLoad(LayerwiseLoad&& other) noexcept
+    : tokens_(std::exchange(other.tokens_, 0)), queue_(std::move(other.queue_)) {}
+
+LayerwiseLoad& LayerwiseLoad::operator=(LayerwiseLoad&& other) noexcept {
+  if (this != &other) {
+    if (queue_) queue_->abandon();
+    tokens_ = std::exchange(other.tokens_, 0);
+    queue_ = std::move(other.queue_);
   }
+  return *this;
 }
 
+LayerwiseLoad::~LayerwiseLoad() {
+  if (queue_) queue_->abandon();
+}
+
+std::size_t LayerwiseLoad::layers() const { return queue_ ? queue_->layers() : 0; }
+
 bool LayerwiseLoad::ready(std::size_t layer) const {
-  check(layer);
-  return fences_.empty() || fences_[layer]->done();
+  return !queue_ || queue_->fence(layer)->done();
 }
 
 void LayerwiseLoad::wait(std::size_t layer, StreamHandle stream) const {
-  check(layer);
-  if (!fences_.empty()) fences_[layer]->enqueue_wait(stream);
+  if (queue_) queue_->fence(layer)->enqueue_wait(stream);
 }
 
 void LayerwiseLoad::synchronize() const {
-  if (!fences_.empty()) fences_.back()->wait();  // one stream: the last fence covers them all
+  if (queue_) queue_->fence(queue_->layers() - 1)->wait();  // one stream: the last covers all
 }
 
 }  // namespace hicache

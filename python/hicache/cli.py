@@ -122,6 +122,9 @@ def _demo(args: argparse.Namespace) -> int:
                 "TTFT layer-wise / max(hit bytes at 55.3 GB/s, suffix prefill), "
                 f"p50 {s.overlap_ratio_p50}, p90 {s.overlap_ratio_p90}"
             )
+        if s.resume_call_p50_layerwise_ms is not None:
+            ms = s.resume_call_p50_layerwise_ms
+            print(f"try_resume_layerwise's own time on the engine thread, median: {ms} ms")
         print(f"({elapsed:.1f} s)")
     return 0 if identical else 1
 

@@ -3,6 +3,8 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <cstdint>
+#include <memory>
 #include <stdexcept>
 #include <thread>
 
@@ -83,6 +85,189 @@ TEST(Layerwise, EachLayerArrivesUnderItsOwnFenceAndThePagesStayHeldUntilTheLast)
   EXPECT_EQ(cache.stats().pages_busy, 0);
   EXPECT_THROW(load.ready(3), std::out_of_range);
   EXPECT_TRUE(eng.canaries_intact());
+}
+
+namespace {
+
+// A deferred copier whose layer copies fail while `fail` is set.
+class FailingLayers : public hicache::DeferredCopier {
+ public:
+  void copy_segments(hicache::Direction d, const hicache::PageLayout& l,
+                     std::span<const hicache::PageMove> m, std::size_t first, std::size_t last,
+                     StreamHandle s) override {
+    if (fail) throw hicache::Error("planned layer failure");
+    DeferredCopier::copy_segments(d, l, m, first, last, s);
+  }
+  bool fail = false;
+};
+
+// A cache of three layers holding blocks 0 and 1 (filled), with `ahead` bytes issued ahead.
+struct Stored {
+  explicit Stored(std::size_t ahead, std::shared_ptr<hicache::DeferredCopier> c = nullptr)
+      : eng(three_layers(8)),
+        copier(c ? std::move(c) : std::make_shared<hicache::DeferredCopier>()),
+        cache(std::make_unique<hicache::HostPrefixCache>(eng.segments(), hicache::Device{},
+                                                         config(ahead), copier)) {
+    for (std::int64_t b = 0; b < 2; ++b) eng.fill(b, static_cast<std::uint32_t>(60 + b));
+    EXPECT_EQ(cache->store("s", prompt, ids(0, 2)), 2);
+    copier->complete();
+    cache->poll();
+  }
+  static hicache::CacheConfig config(std::size_t ahead) {
+    hicache::CacheConfig c = small_config(4);
+    c.layer_segments = {2, 2, 2};
+    c.layer_issue_ahead_bytes = ahead;
+    return c;
+  }
+  // Whether layer l of the resumed blocks 4 and 5 holds what was stored.
+  bool arrived(std::size_t l) const {
+    bool all = true;
+    for (std::int64_t b = 0; b < 2; ++b) {
+      for (std::size_t s = 2 * l; s < 2 * l + 2; ++s) {
+        all = all && segment_bytes(eng, 4 + b, s) == segment_bytes(eng, b, s);
+      }
+    }
+    return all;
+  }
+  FakeEngine eng;
+  std::shared_ptr<hicache::DeferredCopier> copier;
+  std::unique_ptr<hicache::HostPrefixCache> cache;
+  std::vector<std::int32_t> prompt = tokens(2 * 16 + 1);
+};
+
+}  // namespace
+
+TEST(Layerwise, LaterLayersAreIssuedOnlyAsTheEngineAsksForThem) {
+  Stored st(/*ahead=*/0);
+  LayerwiseLoad load;
+  ASSERT_EQ(st.cache->try_resume("r", st.prompt, give(ids(4, 2)), kCopyStream, std::nullopt,
+                                 std::nullopt, &load),
+            32);
+  ASSERT_EQ(load.layers(), 3u);
+  // Only layer 0 was submitted: completing everything queued lands layer 0 and nothing else.
+  EXPECT_EQ(st.copier->pending(), 1u);
+  st.copier->complete();
+  EXPECT_TRUE(st.arrived(0));
+  EXPECT_FALSE(st.arrived(1));
+  EXPECT_FALSE(st.arrived(2));
+  st.cache->poll();
+  EXPECT_EQ(st.cache->stats().pages_busy, 2);  // held: layers 1 and 2 are still to come
+  EXPECT_FALSE(load.ready(1));                 // asking issues it
+  EXPECT_EQ(st.copier->pending(), 1u);
+  st.copier->complete();
+  EXPECT_TRUE(load.ready(1));
+  EXPECT_TRUE(st.arrived(1));
+  EXPECT_FALSE(st.arrived(2));
+  load.wait(2, kComputeStream);  // issues layer 2; the CPU stand-in blocks until it is there
+  EXPECT_TRUE(st.arrived(2));
+  st.cache->poll();
+  EXPECT_EQ(st.cache->stats().pages_busy, 0);
+  EXPECT_EQ(st.eng.page(4), st.eng.page(0));
+  EXPECT_EQ(st.eng.page(5), st.eng.page(1));
+
+  // With `ahead` bytes, the layers whose bytes fit behind the one asked for go with it: layer 1
+  // is 2 pages x 2 x 32 bytes.
+  Stored ahead(/*ahead=*/128);
+  LayerwiseLoad l2;
+  ahead.cache->try_resume("r", ahead.prompt, give(ids(4, 2)), kCopyStream, std::nullopt,
+                          std::nullopt, &l2);
+  EXPECT_EQ(ahead.copier->pending(), 2u);  // layers 0 and 1
+  ahead.copier->complete();
+  EXPECT_TRUE(ahead.arrived(1));
+  EXPECT_FALSE(ahead.arrived(2));
+  l2.synchronize();  // issues the rest
+  EXPECT_TRUE(ahead.arrived(2));
+  // SIZE_MAX issues every layer in try_resume.
+  Stored all(SIZE_MAX);
+  LayerwiseLoad l3;
+  all.cache->try_resume("r", all.prompt, give(ids(4, 2)), kCopyStream, std::nullopt, std::nullopt,
+                        &l3);
+  EXPECT_EQ(all.copier->pending(), 3u);
+}
+
+TEST(Layerwise, ADroppedLoadIssuesNothingMoreAndReleasesItsPages) {
+  Stored st(/*ahead=*/0);
+  {
+    LayerwiseLoad load;
+    st.cache->try_resume("r", st.prompt, give(ids(4, 2)), kCopyStream, std::nullopt, std::nullopt,
+                         &load);
+    EXPECT_FALSE(load.ready(1));  // layers 0 and 1 issued
+  }
+  st.cache->poll();
+  EXPECT_EQ(st.cache->stats().pages_busy, 2);  // until the issued copies complete
+  EXPECT_EQ(st.copier->complete(), 2u);
+  st.cache->poll();
+  EXPECT_EQ(st.cache->stats().pages_busy, 0);
+  EXPECT_TRUE(st.arrived(1));
+  EXPECT_FALSE(st.arrived(2));  // never issued, never written
+  EXPECT_EQ(st.copier->pending(), 0u);
+  // Reusing a load object for another hit gives up the first one the same way.
+  LayerwiseLoad load;
+  st.cache->try_resume("a", st.prompt, give(ids(4, 2)), kCopyStream, std::nullopt, std::nullopt,
+                       &load);
+  st.cache->try_resume("b", st.prompt, give(ids(6, 2)), kCopyStream, std::nullopt, std::nullopt,
+                       &load);
+  st.copier->complete();
+  load.synchronize();
+  st.cache->poll();
+  EXPECT_EQ(st.cache->stats().pages_busy, 0);
+  EXPECT_EQ(st.eng.page(6), st.eng.page(0));
+  EXPECT_TRUE(st.eng.canaries_intact());
+}
+
+TEST(Layerwise, TheCacheGoingFirstEndsTheLoadWithAnError) {
+  Stored st(/*ahead=*/0);
+  LayerwiseLoad load;
+  st.cache->try_resume("r", st.prompt, give(ids(4, 2)), kCopyStream, std::nullopt, std::nullopt,
+                       &load);
+  st.copier->complete();
+  st.cache.reset();  // waits for what was issued, issues nothing more
+  EXPECT_TRUE(load.ready(0));
+  try {
+    load.wait(1, kComputeStream);
+    FAIL() << "a layer of a destroyed cache was waited for";
+  } catch (const hicache::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("the cache was destroyed first"), std::string::npos)
+        << e.what();
+  }
+  EXPECT_EQ(st.copier->pending(), 0u);
+  EXPECT_FALSE(st.arrived(1));
+}
+
+TEST(Layerwise, ALayerThatCannotBeIssuedFailsItsWaitAndIsCounted) {
+  auto copier = std::make_shared<FailingLayers>();
+  Stored st(/*ahead=*/0, copier);
+  LayerwiseLoad load;
+  st.cache->try_resume("r", st.prompt, give(ids(4, 2)), kCopyStream, std::nullopt, std::nullopt,
+                       &load);
+  copier->fail = true;
+  for (int i = 0; i < 2; ++i) {  // the same error each time it is asked
+    try {
+      load.wait(1, kComputeStream);
+      FAIL() << "a layer whose copy failed was waited for";
+    } catch (const hicache::Error& e) {
+      EXPECT_NE(std::string(e.what()).find("layer 1 of a layer-wise load could not be issued: "
+                                           "planned layer failure"),
+                std::string::npos)
+          << e.what();
+    }
+  }
+  EXPECT_THROW(load.ready(2), hicache::Error);
+  copier->fail = false;
+  EXPECT_EQ(st.cache->stats().errors, 1);
+  copier->complete();
+  st.cache->poll();
+  EXPECT_EQ(st.cache->stats().pages_busy, 0);  // released once layer 0's copy completed
+  EXPECT_TRUE(st.arrived(0));
+  EXPECT_FALSE(st.arrived(1));
+  // Failing in try_resume itself is a miss, as for any copy.
+  copier->fail = true;
+  LayerwiseLoad miss;
+  EXPECT_EQ(st.cache->try_resume("m", st.prompt, give(ids(6, 2)), kCopyStream, std::nullopt,
+                                 std::nullopt, &miss),
+            0);
+  EXPECT_EQ(miss.layers(), 0u);
+  EXPECT_EQ(st.cache->stats().errors, 2);
 }
 
 TEST(Layerwise, AMissHasNothingToWaitFor) {

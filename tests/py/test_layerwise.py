@@ -129,6 +129,55 @@ def test_on_a_gpu_the_compute_stream_waits_for_each_layer_on_the_device(chunk: i
 
 
 @needs_gpu
+def test_a_large_layerwise_load_submits_later_layers_as_the_engine_asks_for_them() -> None:
+    # 4 layers of 256 MiB (4 pages x K, V x 32 MiB): try_resume submits layer 0 and 512 MiB after
+    # it, so layer 3 crosses only once the engine asks for it; a load dropped before that never
+    # writes layer 3 and releases its pages.
+    chunk = 32 << 20
+    segs = [torch.zeros(8, B, chunk // B, device="cuda", dtype=torch.uint8) for _ in range(8)]
+    cache = hicache.HostPrefixCache(
+        segs, block_tokens=B, capacity_pages=4, admission="always", layers=4, pin_upfront=True
+    )
+    for i, s in enumerate(segs):
+        s[:4] = i + 1
+    prompt = list(range(4 * B + 1))
+    assert cache.store("s", prompt, [0, 1, 2, 3, 4]) == 4
+    torch.cuda.synchronize()
+    cache.poll()
+
+    def sums(layer: int) -> list[int]:  # on the current stream
+        return [int(segs[2 * layer + j][4:8].sum(dtype=torch.int64)) for j in range(2)]
+
+    def stored(layer: int) -> list[int]:
+        return [(2 * layer + j + 1) * 4 * chunk for j in range(2)]
+
+    copy = torch.cuda.Stream()
+    alloc = lambda n: [4, 5, 6, 7][: n // B]  # noqa: E731
+    load = cache.try_resume_layerwise("r", prompt, alloc, stream=copy)
+    assert load.tokens == 4 * B and load.layers == 4
+    copy.synchronize()  # everything submitted so far has crossed
+    assert [sums(layer) for layer in range(3)] == [stored(layer) for layer in range(3)]
+    assert sums(3) == [0, 0], "layer 3 was submitted before the engine asked for it"
+    cache.poll()
+    assert cache.stats().pages_busy == 4
+    load.wait(3)  # submits layer 3; the current stream waits for it
+    assert sums(3) == stored(3)
+    torch.cuda.synchronize()
+    cache.poll()
+    assert cache.stats().pages_busy == 0
+
+    for s in segs:
+        s[4:8] = 0
+    torch.cuda.synchronize()
+    load = cache.try_resume_layerwise("d", prompt, alloc, stream=copy)
+    del load  # gives up layer 3
+    copy.synchronize()
+    cache.poll()
+    assert cache.stats().pages_busy == 0
+    assert sums(2) == stored(2) and sums(3) == [0, 0]
+
+
+@needs_gpu
 def test_a_small_load_is_not_queued_behind_a_large_one_on_another_stream() -> None:
     # The DMA engines run copies in submission order across streams: a small hit issued after a
     # 2 GiB one would wait for all of it. It goes around instead, and is in the engine's blocks

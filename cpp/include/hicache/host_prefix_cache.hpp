@@ -132,7 +132,7 @@ class HostPrefixCache {
     bool discard = false;  // store of a forgotten request, or one that raised: never published
     bool open = false;     // its store() call is still running: not retired yet
     std::chrono::steady_clock::time_point started = std::chrono::steady_clock::now();
-    std::shared_ptr<Fence> fence;  // shared with a LayerwiseLoad (its last layer's)
+    std::shared_ptr<Fence> fence;  // a layer-wise load's is its LayerQueue
     std::vector<Entry*> pages;
     std::vector<Entry*> states;
     std::vector<Key> parents;  // with a tier: each stored page's parent key (salt digest first)
@@ -158,10 +158,13 @@ class HostPrefixCache {
   // or its allocation failed (counted as an error).
   std::byte* host_slot(HostPool& pool, std::int64_t slot, bool& unpinned);
   void note_success() { consecutive_errors_ = 0; }
-  // Enqueues the load of `moves` (and the state) on `stream`, whole or layer group by layer
-  // group (filling layerwise's fences). @throws hicache::Error as the copier does.
-  void enqueue_load(std::span<const PageMove> moves, const StateBuffers* state_out,
-                    std::byte* state_slot, StreamHandle stream, LayerwiseLoad* layerwise);
+  // Enqueues the load of `moves` (and the state) on `stream`, whole, or layer group by layer
+  // group as `layerwise` asks for them (its first layers now). Returns what tells when the
+  // load completes, or null if the copier's fence after the call does. @throws hicache::Error
+  // as the copier does.
+  std::shared_ptr<Fence> enqueue_load(std::span<const PageMove> moves,
+                                      const StateBuffers* state_out, std::byte* state_slot,
+                                      StreamHandle stream, LayerwiseLoad* layerwise);
   // The pages of an h-page hit worth loading (CacheConfig::prefill_seconds). Unlocked.
   std::size_t worth_loading(std::size_t h, std::int64_t prompt_tokens, bool layerwise,
                             bool whole_or_nothing);
@@ -187,7 +190,10 @@ class HostPrefixCache {
   std::uint64_t& next_serial_ = catalog_.next_serial();
   std::unique_ptr<HostPool> state_pool_;
 
-  mutable std::mutex mu_;
+  // Shared with layer-wise loads, which issue their later layers under it and may outlive the
+  // cache (layer_queue.hpp).
+  std::shared_ptr<std::mutex> lock_ = std::make_shared<std::mutex>();
+  std::mutex& mu_ = *lock_;
   PrefixIndex states_;
   std::list<Transfer> transfers_;
   std::unordered_map<std::string, std::int64_t> requests_;  // id -> transfers in flight

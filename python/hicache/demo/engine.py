@@ -7,13 +7,15 @@ Sliding-window layers keep, per request, a ring of the last ``window`` tokens' K
 is the model's *state*, exported to hicache at block boundaries and imported on a hit.
 
 Prefill runs in chunks of ``prefill_chunk`` tokens (a multiple of the block; one block by
-default) aligned to multiples of it. Only whole chunks are stored and a hit is used up to a chunk
-boundary, so every cached token was computed in a full chunk, exactly as a recompute computes it:
-a resumed request performs the same computations on the same inputs as a full recompute for
-every token after the hit (matrix products can depend on how many rows they get, so chunk sizes
-must match too), and its outputs are bit-identical. This is what lets the demo compare generated
-tokens with and without the cache. Larger chunks prefill faster (bigger matrix products) and
-leave up to a chunk of each prompt uncached.
+default) aligned to multiples of it, layer by layer: each layer runs over every chunk of the
+prompt's uncached part before the next layer starts, as one forward pass over the whole suffix.
+Only whole chunks are stored and a hit is used up to a chunk boundary, so every cached token
+was computed in a full chunk, exactly as a recompute computes it: a resumed request performs
+the same computations on the same inputs as a full recompute for every token after the hit
+(matrix products can depend on how many rows they get, so chunk sizes must match too), and its
+outputs are bit-identical. This is what lets the demo compare generated tokens with and without
+the cache. Larger chunks prefill faster (bigger matrix products) and leave up to a chunk of each
+prompt uncached.
 """
 
 from __future__ import annotations
@@ -39,11 +41,16 @@ class RequestResult:
     load_s: float = 0.0  # try_resume, with the copies finished (GPU: synchronized)
     hit_bytes: int = 0
     loaded_tokens: int = 0  # tokens hicache loaded (cached_tokens is what the prefill skipped)
+    resume_s: float = 0.0  # the engine thread's time inside try_resume (copies enqueued, not done)
 
 
 @dataclass
 class _Sequence:
     table: list[int]
+    # The same block ids on the model's device, made before the request's clock starts: an
+    # index built from a list during the prefill is a synchronous host-to-device copy, which
+    # stalls the GPU at every layer and queues behind a large load on the DMA engines.
+    blocks: torch.Tensor
     ring_k: dict[int, torch.Tensor] = field(default_factory=dict)
     ring_v: dict[int, torch.Tensor] = field(default_factory=dict)
     # The request's K/V of full-attention layers, contiguous, next to the paged pool: attention
@@ -124,46 +131,64 @@ class PagedEngine:
             )
         self.page_bytes = sum(t[0].numel() * t.element_size() for t in self.k_pool.values()) * 2
 
-    # --- the forward pass, one aligned chunk at a time -------------------------------------
+    # --- the forward pass: aligned chunks, layer by layer ------------------------------------
 
-    def _chunk(self, seq: _Sequence, tokens: torch.Tensor, c0: int) -> torch.Tensor:
-        """Runs tokens at positions [c0, c0 + n) (a prefill chunk, or one decoded token); returns
-        the last hidden state. Writes their K/V into the pool and advances the rings."""
+    def _forward(
+        self, seq: _Sequence, spans: list[tuple[torch.Tensor, int]], rings_at: set[int] | None = None
+    ) -> tuple[list[torch.Tensor], dict[int, dict[int, tuple[torch.Tensor, torch.Tensor]]]]:
+        """Runs consecutive spans (tokens, first position): the prefill's aligned chunks, or one
+        decoded token. Layer by layer, each layer over every span in order, as an engine runs one
+        forward pass over a whole suffix: a layer-wise load then overlaps every span's compute of
+        layer i with the copies of later layers, not only the first span's. Each (span, layer)
+        step computes exactly what span by span would (same inputs, same shapes), so the order
+        leaves every output bit-identical. Writes the spans' K/V into the pool and advances the
+        rings; returns each span's hidden states and, for each position in `rings_at` that ends a
+        span, each sliding layer's ring there."""
         m, cfg, B = self.model, self.cfg, self.B
-        n = tokens.shape[0]
-        c1 = c0 + n
-        pos = torch.arange(c0, c1, device=m.device)
-        # The pool slot of each token: its block's id * B + its offset in the block.
-        table = torch.tensor(seq.table[c0 // B : (c1 - 1) // B + 1], device=m.device)
-        slots = (table[:, None] * B + torch.arange(B, device=m.device)[None, :]).reshape(-1)
-        slots = slots[c0 % B : c0 % B + n]
-        h = m.embed_tokens(tokens)
+        steps = []
+        for tokens, c0 in spans:
+            c1 = c0 + tokens.shape[0]
+            # The pool slot of each token: its block's id * B + its offset in the block.
+            table = seq.blocks[c0 // B : (c1 - 1) // B + 1]
+            slots = (table[:, None] * B + torch.arange(B, device=m.device)[None, :]).reshape(-1)
+            slots = slots[c0 % B : c0 % B + (c1 - c0)]
+            steps.append((c0, c1, torch.arange(c0, c1, device=m.device), slots))
+        hs = [m.embed_tokens(tokens) for tokens, _ in spans]
+        rings: dict[int, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
         for layer in range(cfg.n_layers):
             if layer in seq.waiting:
                 self._take_layer(seq, layer)
-            q, k, v = m.qkv(layer, h, pos)
-            if cfg.is_sliding(layer):
-                kk = torch.cat([seq.ring_k[layer], k])
-                vv = torch.cat([seq.ring_v[layer], v])
-                kpos = torch.arange(c0 - cfg.window, c1, device=m.device)
-                h = m.attend_and_mlp(layer, h, q, kk, vv, pos, kpos)
-                seq.ring_k[layer], seq.ring_v[layer] = kk[-cfg.window :], vv[-cfg.window :]
-            else:
-                # Into the paged pool (what hicache stores), and the request's contiguous copy.
-                self.k_pool[layer].view(-1, cfg.n_kv_heads, cfg.head_dim).index_copy_(0, slots, k)
-                self.v_pool[layer].view(-1, cfg.n_kv_heads, cfg.head_dim).index_copy_(0, slots, v)
-                seq.k_buf[layer][c0:c1] = k
-                seq.v_buf[layer][c0:c1] = v
-                kk, vv = seq.k_buf[layer][:c1], seq.v_buf[layer][:c1]
-                h = m.attend_and_mlp(layer, h, q, kk, vv, pos, torch.arange(0, c1, device=m.device))
-        return h[-1]
+            for i, (c0, c1, pos, slots) in enumerate(steps):
+                q, k, v = m.qkv(layer, hs[i], pos)
+                if cfg.is_sliding(layer):
+                    kk = torch.cat([seq.ring_k[layer], k])
+                    vv = torch.cat([seq.ring_v[layer], v])
+                    kpos = torch.arange(c0 - cfg.window, c1, device=m.device)
+                    hs[i] = m.attend_and_mlp(layer, hs[i], q, kk, vv, pos, kpos)
+                    seq.ring_k[layer], seq.ring_v[layer] = kk[-cfg.window :], vv[-cfg.window :]
+                    if rings_at and c1 in rings_at:
+                        rings.setdefault(c1, {})[layer] = (seq.ring_k[layer], seq.ring_v[layer])
+                else:
+                    # Into the paged pool (what hicache stores), and the request's contiguous copy.
+                    self.k_pool[layer].view(-1, cfg.n_kv_heads, cfg.head_dim).index_copy_(0, slots, k)
+                    self.v_pool[layer].view(-1, cfg.n_kv_heads, cfg.head_dim).index_copy_(0, slots, v)
+                    seq.k_buf[layer][c0:c1] = k
+                    seq.v_buf[layer][c0:c1] = v
+                    kk, vv = seq.k_buf[layer][:c1], seq.v_buf[layer][:c1]
+                    kpos = torch.arange(0, c1, device=m.device)
+                    hs[i] = m.attend_and_mlp(layer, hs[i], q, kk, vv, pos, kpos)
+        return hs, rings
+
+    def _chunk(self, seq: _Sequence, tokens: torch.Tensor, c0: int) -> torch.Tensor:
+        """One span (a decoded token): its last hidden state."""
+        return self._forward(seq, [(tokens, c0)])[0][0][-1]
 
     def _take_served(self, seq: _Sequence, layer: int) -> None:
         """The served prefix of a full layer's loaded blocks into the request's contiguous K/V."""
         cfg, start = self.cfg, seq.served
         if start == 0:
             return
-        hit = seq.table[: start // self.B]
+        hit = seq.blocks[: start // self.B]
         shape = (start, cfg.n_kv_heads, cfg.head_dim)
         seq.k_buf[layer][:start] = self.k_pool[layer][hit].reshape(shape)
         seq.v_buf[layer][:start] = self.v_pool[layer][hit].reshape(shape)
@@ -178,11 +203,8 @@ class PagedEngine:
 
     # --- state: the rings of the sliding layers, flattened into the staging tensor --------
 
-    def _snapshot(self, seq: _Sequence) -> torch.Tensor:
-        parts = [
-            t.reshape(-1) for layer in self.sliding_layers for t in (seq.ring_k[layer], seq.ring_v[layer])
-        ]
-        return torch.cat(parts)
+    def _snapshot(self, rings: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        return torch.cat([t.reshape(-1) for layer in self.sliding_layers for t in rings[layer]])
 
     def _import_state(self, seq: _Sequence) -> None:
         cfg, e = self.cfg, self.ring_elems
@@ -204,7 +226,8 @@ class PagedEngine:
         need = (L + max_new_tokens + B - 1) // B
         if need > len(self.free):
             raise RuntimeError(f"request {request_id} needs {need} blocks, {len(self.free)} free")
-        seq = _Sequence([self.free.pop() for _ in range(need)])
+        table = [self.free.pop() for _ in range(need)]
+        seq = _Sequence(table, torch.tensor(table, device=m.device))
         zeros = torch.zeros(cfg.window, cfg.n_kv_heads, cfg.head_dim, device=m.device, dtype=m.dtype)
         for layer in self.sliding_layers:
             seq.ring_k[layer], seq.ring_v[layer] = zeros.clone(), zeros.clone()
@@ -215,7 +238,7 @@ class PagedEngine:
         tokens = torch.tensor(prompt, device=m.device)
         self._sync()
         t0 = time.perf_counter()
-        start, load_s, got = 0, 0.0, 0
+        start, load_s, resume_s, got = 0, 0.0, 0.0, 0
         C = self.C
         if self.cache is not None:
             state_out = self.staging if self.state_elems else None
@@ -227,6 +250,7 @@ class PagedEngine:
                 got = seq.load.tokens
             else:
                 got = self.cache.try_resume(request_id, tokens, alloc, state_out=state_out)
+            resume_s = time.perf_counter() - t0
             # Used up to a chunk boundary (a chain cut by eviction can end inside a chunk): the
             # rest of the loaded blocks is recomputed, as a recompute would compute it.
             start = got // C * C
@@ -244,16 +268,14 @@ class PagedEngine:
             if self.measure_load:
                 self._sync()
                 load_s = time.perf_counter() - t0
-        # Prefill the rest, chunk by chunk; keep the states store() may ask for.
+        # Prefill the rest: its aligned chunks, layer by layer; keep the states store() may ask for.
         n_full = L // C * C // B  # blocks of whole chunks: the only ones stored
         wanted = {(n_full - j) * B for j in range(self.state_lookback)} if self.state_elems else set()
-        snapshots: dict[int, torch.Tensor] = {}
-        h = None
-        for c0 in range(start, L, C):
-            h = self._chunk(seq, tokens[c0 : min(c0 + C, L)], c0)
-            if c0 + B in wanted and c0 + B <= L:
-                snapshots[c0 + B] = self._snapshot(seq)
-        assert h is not None, "keep_tokens >= 1 leaves at least one token to compute"
+        spans = [(tokens[c0 : min(c0 + C, L)], c0) for c0 in range(start, L, C)]
+        assert spans, "keep_tokens >= 1 leaves at least one token to compute"
+        hs, rings = self._forward(seq, spans, wanted)
+        snapshots = {p: self._snapshot(r) for p, r in rings.items()}
+        h = hs[-1][-1]
         nxt = int(torch.argmax(m.logits(h)))
         ttft = time.perf_counter() - t0
         generated = [nxt]
@@ -280,4 +302,6 @@ class PagedEngine:
             self.cache.forget(request_id)
         self.free.extend(reversed(seq.table))
         got = max(got, 0)
-        return RequestResult(request_id, L, start, generated, ttft, load_s, (got // B) * self.page_bytes, got)
+        return RequestResult(
+            request_id, L, start, generated, ttft, load_s, (got // B) * self.page_bytes, got, resume_s
+        )

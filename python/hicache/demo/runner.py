@@ -61,6 +61,8 @@ class Summary:
     # TTFT layer-wise / max(hit bytes at the DMA rate, suffix prefill), over requests with a hit
     overlap_ratio_p50: float | None = None
     overlap_ratio_p90: float | None = None
+    # The engine thread's time inside try_resume_layerwise (the copies enqueued), over hits
+    resume_call_p50_layerwise_ms: float | None = None
 
 
 def summarize(
@@ -103,6 +105,9 @@ def summarize(
         s.layerwise_tokens_identical = all(
             a.generated == b.generated for a, b in zip(layerwise, without, strict=True)
         )
+        calls = [r.resume_s * 1e3 for r in layerwise if r.loaded_tokens > 0]
+        if calls:
+            s.resume_call_p50_layerwise_ms = round(_pct(calls, 50), 2)
         if dma_bytes_per_s:
             overlap = [
                 r.ttft_s / max(r.hit_bytes / dma_bytes_per_s, f.ttft_s - f.load_s)
