@@ -4,7 +4,7 @@
 //
 // Enqueuing a large hit is not free: on an H200 a 43K-token hit of a Llama-3-8B-shaped pool is
 // 21,504 DMA pieces (336 pages x 64 segments), and submitting them took 13 ms of the engine's
-// thread, during which it could not start the prefill (measured with bench/layerwise_timeline.py).
+// thread, during which it could not start the prefill (the demo's agentic workload, median).
 // So try_resume issues only the first layers, and each LayerwiseLoad::wait / ready issues the
 // layers up to the one asked for plus `ahead_bytes` more. The copies of a layer are always issued
 // before anything waits on its fence: a stream is never made to wait for work not yet submitted
