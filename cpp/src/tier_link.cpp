@@ -26,8 +26,10 @@ TierLink::TierLink(std::shared_ptr<Tier> tier, TierOptions options, Key space,
       page_bytes_(page_bytes),
       block_tokens_(block_tokens),
       value_bytes_(tier_value_bytes(block_tokens, page_bytes)),
+      // Pages, not values: a value is a page and its record (a few hundred bytes), so half of
+      // 128 MiB holds 64 values of 1 MiB pages, not 63 (see Rounds).
       round_pages_(std::max<std::size_t>(
-          1, static_cast<std::size_t>(options_.buffer_bytes) / kRing / value_bytes_)),
+          1, static_cast<std::size_t>(options_.buffer_bytes) / kRing / page_bytes_)),
       release_(std::move(release)),
       adopt_(std::move(adopt)),
       put_buffer_(new std::byte[kRing * round_pages_ * value_bytes_]),
@@ -140,12 +142,13 @@ void TierLink::write(std::vector<PutPage>& pages) {
       counters_.tier_last_error = "tier put: " + std::to_string(failed) + " pages refused";
     }
   };
-  for (std::size_t begin = 0, r = 0; begin < pages.size(); begin += round_pages_, ++r) {
+  const Rounds plan = rounds(pages.size());
+  for (std::size_t begin = 0, r = 0; begin < pages.size(); begin += plan.size(r), ++r) {
     if (flying.size() == kRing) {  // its buffer is the one this round reuses
       land(flying.front());
       flying.pop_front();
     }
-    const std::size_t n = std::min(round_pages_, pages.size() - begin);
+    const std::size_t n = plan.size(r);
     std::byte* base = put_buffer_.get() + (r % kRing) * round_pages_ * value_bytes_;
     std::vector<std::string> names;
     std::vector<const std::byte*> values;
@@ -169,6 +172,13 @@ void TierLink::write(std::vector<PutPage>& pages) {
   }
   for (const Round& r : flying) land(r);
 }
+
+TierLink::Rounds::Rounds(std::size_t pages, std::size_t most)
+    : count(std::max<std::size_t>(1, (pages + most - 1) / most)),
+      base(pages / count),
+      extra(pages % count) {}
+
+TierLink::Rounds TierLink::rounds(std::size_t pages) const { return {pages, round_pages_}; }
 
 void TierLink::prefetch_now(FetchJob& job) {
   job.keys = chain_keys(job.salt, job.prompt, block_tokens_, job.max_pages, job.key_bits);
@@ -202,6 +212,7 @@ TierLink::Fetch::Fetch(TierLink& link, std::span<const Key> keys,
       prompt_(prompt),
       root_(tier_salt_digest(salt)),
       next_(from),
+      plan_(link.rounds(keys.size() > from ? keys.size() - from : 0)),
       deadline_(deadline) {
   if (!link.settle(link.late_gets_)) {  // earlier gets given up on still write the buffer
     over_ = true;
@@ -219,7 +230,7 @@ void TierLink::Fetch::submit() {
   // Top the ring up. Only rounds whose buffers no run handed out is still using: the caller is
   // done with the last run when it asks for the next.
   while (!over_ && rounds_.size() < kRing && next_ < keys_.size()) {
-    const std::size_t n = std::min(link_->round_pages_, keys_.size() - next_);
+    const std::size_t n = std::min(plan_.size(ring_), keys_.size() - next_);
     const std::size_t ring = ring_++ % kRing;
     std::byte* base = link_->get_buffer_.get() + ring * link_->round_pages_ * link_->value_bytes_;
     std::vector<std::string> names;

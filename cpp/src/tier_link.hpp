@@ -97,6 +97,15 @@ class TierLink {
   void run();
   void write(std::vector<PutPage>& pages);
   void prefetch_now(FetchJob& job);
+  // How a put or get of `pages` splits into rounds of at most round_pages_: as few as that
+  // allows, sizes differing by at most one, never a lone small round beside a full one (64 pages
+  // of 1 MiB went as 63 + 1 when a round held 64 MiB of values, a page and its record each).
+  struct Rounds {
+    Rounds(std::size_t pages, std::size_t most);
+    std::size_t size(std::size_t r) const { return base + (r < extra ? 1 : 0); }
+    std::size_t count, base, extra;
+  };
+  Rounds rounds(std::size_t pages) const;
   // Polls a batch until it completed, or until `deadline` (then nullopt: the batch is
   // remembered in `pending` and the buffer it uses is not reused before it completed).
   std::optional<std::vector<std::int64_t>> wait(std::int64_t batch, Clock::time_point deadline);
@@ -159,6 +168,7 @@ class TierLink::Fetch {
   std::span<const std::int32_t> prompt_;
   Key root_;
   std::size_t next_;
+  Rounds plan_;
   Clock::time_point deadline_;
   std::deque<Round> rounds_;
   std::size_t ring_ = 0;

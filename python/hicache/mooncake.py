@@ -33,8 +33,11 @@ from typing import Any
 
 from ._core import TIER_FAILED, TIER_MISSING, Tier
 
-# Mooncake Store's error code for a key it does not have.
+# Mooncake Store's error codes for a key it does not have, and for a read whose lease (the time
+# the master holds the object for it) ran out before its transfer ended: the object is still
+# there, so that read is tried once more, and neither is a reason to reconnect.
 _OBJECT_NOT_FOUND = -704
+_LEASE_EXPIRED = -707
 
 
 class TierUnavailableError(RuntimeError):
@@ -123,7 +126,8 @@ class MooncakeTier(Tier):
         if time.monotonic() - self._last_attempt >= self._reconnect_s and self._connect():
             self.reconnects += 1
 
-    def _run(self, call: str, n: int, *args: Any) -> list[int]:
+    def _call(self, call: str, n: int, *args: Any) -> list[int]:
+        """The client's own codes, n of them (all failed if the call raised or miscounted)."""
         store = self._store
         try:
             r = list(getattr(store, call)(*args))
@@ -131,9 +135,16 @@ class MooncakeTier(Tier):
             r = [TIER_FAILED] * n
         if len(r) != n:
             r = [TIER_FAILED] * n
-        if any(x < 0 and x != _OBJECT_NOT_FOUND for x in r):
+        if any(x < 0 and x not in (_OBJECT_NOT_FOUND, _LEASE_EXPIRED) for x in r):
             self._failed()
+        return r
+
+    @staticmethod
+    def _codes(r: list[int]) -> list[int]:
         return [TIER_MISSING if x == _OBJECT_NOT_FOUND else (TIER_FAILED if x < 0 else x) for x in r]
+
+    def _run(self, call: str, n: int, *args: Any) -> list[int]:
+        return self._codes(self._call(call, n, *args))
 
     def _submit(self, fn: Any, n: int) -> int:
         with self._lock:
@@ -171,9 +182,22 @@ class MooncakeTier(Tier):
         return self._submit(run, len(names))
 
     def get(self, names: list[str], dests: list[int], capacity: int) -> int:
-        return self._submit(
-            lambda: self._run("batch_get_into", len(names), names, dests, [capacity] * len(names)), len(names)
-        )
+        def run() -> list[int]:
+            r = self._call("batch_get_into", len(names), names, dests, [capacity] * len(names))
+            again = [i for i, x in enumerate(r) if x == _LEASE_EXPIRED]
+            if again:  # a long batch outlived the lease of some reads: those once more
+                retry = self._call(
+                    "batch_get_into",
+                    len(again),
+                    [names[i] for i in again],
+                    [dests[i] for i in again],
+                    [capacity] * len(again),
+                )
+                for i, x in zip(again, retry, strict=True):
+                    r[i] = x
+            return self._codes(r)
+
+        return self._submit(run, len(names))
 
     def exists(self, names: list[str]) -> int:
         return self._submit(lambda: self._run("batch_is_exist", len(names), names), len(names))

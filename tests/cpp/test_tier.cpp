@@ -246,3 +246,64 @@ TEST(Tier, RecordsRejectEveryFieldThatDiffers) {
 }
 
 }  // namespace
+
+namespace {
+
+// A MemoryTier that records how many values each put and get moved.
+class CountingTier final : public hicache::Tier {
+ public:
+  std::string name() const override { return "counting"; }
+  std::int64_t put(std::span<const std::string> names, std::span<const std::byte* const> values,
+                   std::span<const std::size_t> sizes) override {
+    put_sizes.push_back(names.size());
+    return inner.put(names, values, sizes);
+  }
+  std::int64_t get(std::span<const std::string> names, std::span<std::byte* const> dests,
+                   std::size_t capacity) override {
+    get_sizes.push_back(names.size());
+    return inner.get(names, dests, capacity);
+  }
+  std::int64_t exists(std::span<const std::string> names) override { return inner.exists(names); }
+  std::optional<std::vector<std::int64_t>> poll(std::int64_t batch) override {
+    return inner.poll(batch);
+  }
+  MemoryTier inner;
+  std::vector<std::size_t> put_sizes, get_sizes;  // values a call, in order
+};
+
+}  // namespace
+
+TEST(Tier, RoundsHoldWholePagesAndAreOfEqualSize) {
+  // A round holds 3 pages (half the buffer, counted in pages, not in values, which are a little
+  // larger): 4 pages go as 2 + 2, not 3 + 1.
+  auto tier = std::make_shared<CountingTier>();
+  std::vector<std::uint8_t> kv(16 * kBlockBytes, 9);
+  CacheConfig c;
+  c.block_tokens = kB;
+  c.capacity_pages = 8;
+  c.admission = hicache::Admission::kAlways;
+  c.tier.buffer_bytes = 2 * 3 * kBlockBytes;
+  HostPrefixCache cache({{kv.data(), 16, kBlockBytes, kBlockBytes}}, hicache::Device{}, c, nullptr,
+                        tier);
+  ASSERT_EQ(cache.store("a", tokens(4 * kB + 1, 300), ids(0, 5)), 4);
+  cache.flush_tier();
+  EXPECT_EQ(tier->put_sizes, (std::vector<std::size_t>{2, 2}));
+  ASSERT_EQ(cache.store("b", tokens(7 * kB + 1, 900), ids(5, 8)), 7);
+  cache.flush_tier();
+  EXPECT_EQ(tier->put_sizes, (std::vector<std::size_t>{2, 2, 3, 2, 2}));  // 7: 3 + 2 + 2
+  EXPECT_EQ(cache.stats().tier_pages_written, 11);
+  // A host that has none of them fetches the 7 the same way.
+  std::vector<std::uint8_t> kv_b(16 * kBlockBytes, 0);
+  HostPrefixCache b({{kv_b.data(), 16, kBlockBytes, kBlockBytes}}, hicache::Device{}, c, nullptr,
+                    tier);
+  EXPECT_EQ(b.try_resume("b", tokens(7 * kB + 1, 900),
+                         [](std::int64_t n) {
+                           return std::optional<std::vector<std::int64_t>>(ids(0, n / kB));
+                         }),
+            7 * kB);
+  EXPECT_EQ(tier->get_sizes, (std::vector<std::size_t>{3, 2, 2}));
+  for (std::int64_t i = 0; i < 7; ++i) {
+    EXPECT_TRUE(std::equal(kv_b.begin() + i * kBlockBytes, kv_b.begin() + (i + 1) * kBlockBytes,
+                           kv.begin() + (5 + i) * kBlockBytes));
+  }
+}

@@ -188,6 +188,49 @@ def test_an_object_deleted_between_exists_and_get_is_a_miss(master) -> None:
     assert (s.tier_pages_missing, s.tier_pages_rejected, s.errors) == (1, 0, 0)
 
 
+class _ExpiringStore:
+    """The real client, except that page 2's reads report LEASE_EXPIRED (-707: the master's hold
+    on the object for the read ran out before its transfer ended) `times` times."""
+
+    def __init__(self, store: object, name: str, times: int) -> None:
+        self.store, self.name, self.left, self.expired = store, name, times, 0
+
+    def __getattr__(self, attr: str) -> object:
+        return getattr(self.store, attr)
+
+    def batch_get_into(self, names: list[str], dests: list[int], sizes: list[int]) -> list[int]:
+        r = list(self.store.batch_get_into(names, dests, sizes))
+        if self.left > 0 and self.name in names:
+            self.left -= 1
+            self.expired += 1
+            r[names.index(self.name)] = -707
+        return r
+
+
+@pytest.mark.parametrize("times", [1, 2], ids=["expired-once", "expired-twice"])
+def test_a_read_whose_lease_expired_is_tried_once_more(master, times: int) -> None:
+    kv_a = _pages(4, 5)
+    a, _ = _host(master, kv_a)
+    prompt = _prompt(4, 5)
+    a.store("a", prompt, list(range(5)))
+    a.poll()
+    a.flush_tier()
+    tier = MooncakeTier(master.rpc, master.metadata, segment_bytes=64 << 20)
+    names = [a.tier_name(k) for k in hicache.chain_keys(prompt, B)]
+    tier._store = store = _ExpiringStore(tier._store, names[2], times)
+    kv_b = np.zeros((5, PAGE), np.uint8)
+    b = hicache.HostPrefixCache(kv_b, block_tokens=B, capacity_pages=64, tier=tier, tier_wait_ms=5000)
+    served = b.try_resume("b", prompt, lambda n: list(range(n // B)))
+    s = b.stats()
+    assert store.expired == times and tier.reconnects == 0  # a lease is not the connection's fault
+    if times == 1:  # the second read of page 2 is served: the whole prefix, no error
+        assert served == 5 * B and np.array_equal(kv_b, kv_a)
+        assert (s.tier_errors, s.tier_pages_rejected, s.errors) == (0, 0, 0)
+    else:  # the negative control: expired again, page 2 fails and only pages 0 and 1 are served
+        assert served == 2 * B and np.array_equal(kv_b[:2], kv_a[:2])
+        assert s.tier_errors == 1 and s.errors == 0
+
+
 def test_the_master_killed_and_restarted_costs_misses_and_the_tier_reconnects(master) -> None:
     kv_a, kv_b = _pages(3, 8), np.zeros((8, PAGE), np.uint8)
     a, ta = _host(master, kv_a)
