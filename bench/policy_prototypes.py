@@ -9,7 +9,10 @@ a page is never evicted while it has a cached child or belongs to the request be
 Admission: ``always``; ``ghost<k>`` (while full, only pages whose key was in the last k pools'
 worth of prompt keys; free slots take anything); ``freq<w>`` (TinyLFU-like: while full, a page
 only if its count, over a window of w pools' worth of sightings halved at each window, beats
-the victim's); ``oracle`` (exactly the pages that will be read again). Eviction: ``lru``
+the victim's); ``cont<x>`` (second sightings, and every page of a prompt whose pages were at
+least x seen before: the next turn of a conversation, whose chance of another turn grows with
+its turns on the conversation trace, 0.35 after the first to 0.8 after the ninth); ``oracle``
+(exactly the pages that will be read again). Eviction: ``lru``
 (leaf-first LRU), ``slru<p>`` (a protected segment of p of the pool for pages hit before),
 ``classes`` (the leaf with the fewest hits goes first, LRU among equals).
 """
@@ -100,6 +103,7 @@ def simulate(trace: replay.Trace, capacity: int, admission: str, eviction: str) 
             h += 1
         served += h
         seen_before: set[Page] = set()
+        continuing = False
         if admission.startswith("ghost"):
             for q in req:
                 if q in ghost:
@@ -108,6 +112,18 @@ def simulate(trace: replay.Trace, capacity: int, admission: str, eviction: str) 
                 ghost[q] = None
             while len(ghost) > int(admission[5:]) * capacity:
                 ghost.popitem(last=False)
+        elif admission.startswith("cont"):
+            # cont<x>: second sightings, and every page of a prompt whose pages were mostly seen
+            # before (at least x of them: the next turn of a conversation, which continues
+            # more often the longer it has gone on).
+            for q in req:
+                if q in ghost:
+                    seen_before.add(q)
+                    ghost.move_to_end(q)
+                ghost[q] = None
+            while len(ghost) > 4 * capacity:
+                ghost.popitem(last=False)
+            continuing = len(seen_before) >= float(admission[4:]) * len(req)
         elif admission.startswith("freq"):
             for q in req:
                 counts[q] += 1
@@ -131,6 +147,8 @@ def simulate(trace: replay.Trace, capacity: int, admission: str, eviction: str) 
                 break  # never read again
             if pool.full():
                 if admission.startswith("ghost") and p not in seen_before:
+                    break
+                if admission.startswith("cont") and p not in seen_before and not continuing:
                     break
                 victim = pool.victim()
                 if victim is None:
