@@ -74,8 +74,7 @@ HostPrefixCache::HostPrefixCache(std::vector<Segment> segments, Device device, C
           std::lock_guard<std::mutex> g(mu_);
           for (Entry* e : entries) pages_.unpin(e);
         },
-        [this](const TierLink::FetchJob& job, std::size_t from,
-               std::span<const std::span<const std::byte>> pages) {
+        [this](const TierLink::FetchJob& job, std::size_t from, std::span<const TierPage> pages) {
           std::lock_guard<std::mutex> g(mu_);
           return static_cast<std::size_t>(
               adopt_fetched(job.keys, job.prompt, job.salt, from, pages));
@@ -193,7 +192,7 @@ void HostPrefixCache::write_to_tier(Transfer& t) {
 std::int64_t HostPrefixCache::adopt_fetched(std::span<const Key> keys,
                                             std::span<const std::int32_t> prompt,
                                             std::string_view salt, std::size_t from,
-                                            std::span<const std::span<const std::byte>> pages) {
+                                            std::span<const TierPage> pages) {
   const auto B = static_cast<std::size_t>(config_.block_tokens);
   const auto tokens_of = [&](std::size_t i) { return prompt.subspan(i * B, B); };
   const auto same = [&](std::size_t i, const Entry* e) {
@@ -204,17 +203,20 @@ std::int64_t HostPrefixCache::adopt_fetched(std::span<const Key> keys,
   walk_cached(pages_, keys, from, root, w.chain, same);
   if (w.chain.size() < from) return 0;  // the pages before them were evicted meanwhile
   bool unpinned = false;
+  std::string torn;
   const std::size_t before = w.chain.size();
   walk_store(pages_, *admit_all_, next_serial_, keys.first(from + pages.size()), root,
              StaleKeys::kReplace, w, same, [&](std::size_t i, Entry* e) {
                std::byte* host = host_slot(mover_.pool(), e->slot, unpinned);
                if (host == nullptr) return false;
-               const std::span<const std::byte> page = pages[i - from];
-               std::memcpy(host, page.data(), page.size());
+               // Checked as it is copied: a page whose bytes fail is refused (its entry erased,
+               // the store ends there), so nothing unchecked is ever published.
+               if (!copy_tier_page(pages[i - from], host, torn)) return false;
                const auto toks = tokens_of(i);
                e->tokens.assign(toks.begin(), toks.end());
                return true;
              });
+  if (!torn.empty()) link_->note_rejected(torn);
   for (Entry* e : w.fresh) {  // copied by this thread: complete now
     e->ready = true;
     pages_.unpin(e);
@@ -334,7 +336,7 @@ std::int64_t HostPrefixCache::try_resume(std::string_view request_id,
           TierLink::Clock::now() + std::chrono::microseconds(config_.tier.wait_us);
       link_->fetch_into(
           keys, prompt, chain_salt, from_tier, deadline,
-          [&](std::size_t from, std::span<const std::span<const std::byte>> pages) {
+          [&](std::size_t from, std::span<const TierPage> pages) {
             const std::lock_guard<std::unique_lock<std::mutex>> g(lock);
             return static_cast<std::size_t>(adopt_fetched(keys, prompt, chain_salt, from, pages));
           });

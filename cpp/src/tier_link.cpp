@@ -182,10 +182,9 @@ TierLink::Rounds TierLink::rounds(std::size_t pages) const { return {pages, roun
 
 void TierLink::prefetch_now(FetchJob& job) {
   job.keys = chain_keys(job.salt, job.prompt, block_tokens_, job.max_pages, job.key_bits);
-  fetch_into(job.keys, job.prompt, job.salt, job.from, Clock::now() + kPrefetchDeadline,
-             [&](std::size_t from, std::span<const std::span<const std::byte>> pages) {
-               return adopt_(job, from, pages);
-             });
+  fetch_into(
+      job.keys, job.prompt, job.salt, job.from, Clock::now() + kPrefetchDeadline,
+      [&](std::size_t from, std::span<const TierPage> pages) { return adopt_(job, from, pages); });
 }
 
 void TierLink::fetch_into(std::span<const Key> keys, std::span<const std::int32_t> prompt,
@@ -290,10 +289,10 @@ TierLink::Run TierLink::Fetch::next() {
       }
       const std::span<const std::byte> value(base + j * link_->value_bytes_,
                                              static_cast<std::size_t>(x));
-      const std::span<const std::byte> page =
-          check_tier_value(value, link_->space_, keys_[i], i == 0 ? root_ : keys_[i - 1],
-                           prompt_.subspan(i * B, B), link_->page_bytes_, why);
-      if (page.empty()) {
+      const TierPage page =
+          check_tier_record(value, link_->space_, keys_[i], i == 0 ? root_ : keys_[i - 1],
+                            prompt_.subspan(i * B, B), link_->page_bytes_, why);
+      if (page.bytes.empty()) {
         rejected += 1;
         break;
       }
@@ -337,6 +336,12 @@ bool TierLink::settle(std::vector<std::int64_t>& batches) {
     }
   });
   return batches.empty();
+}
+
+void TierLink::note_rejected(const std::string& why) {
+  std::lock_guard<std::mutex> g(mu_);
+  ++counters_.tier_pages_rejected;
+  counters_.tier_last_error = "tier value rejected: " + why;
 }
 
 void TierLink::add_stats(CacheStats& s) const {

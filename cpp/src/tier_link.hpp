@@ -2,9 +2,11 @@
 // TierLink: how a HostPrefixCache talks to its Tier. Writes pages the cache stored (off the
 // engine's thread, through a bounded queue: a full queue drops the pages, counted), fetches the
 // rest of a prefix on a host miss (on the caller's thread with a deadline, or in the background
-// for the next prompt), and checks every fetched value against the reader's own keys and tokens
-// (tier_record.hpp) before anything is handed back. Values go through two buffers allocated
-// once (Tier::use_buffers), so a backend can move them without copies. Internal to the cache.
+// for the next prompt), and checks every fetched value's record against the reader's own keys
+// and tokens (tier_record.hpp) before anything is handed back; the page's checksum is checked
+// by whoever copies it out (copy_tier_page), in the same pass as the copy. Values go through two
+// buffers allocated once (Tier::use_buffers), so a backend can move them without copies. Internal
+// to the cache.
 
 #include <chrono>
 #include <condition_variable>
@@ -22,6 +24,7 @@
 #include "hicache/cache_stats.hpp"
 #include "hicache/prefix_index.hpp"
 #include "hicache/tier.hpp"
+#include "hicache/tier_record.hpp"
 
 namespace hicache {
 
@@ -36,11 +39,12 @@ class TierLink {
     std::span<const std::int32_t> tokens;  ///< the entry's own: valid while it is pinned
     const std::byte* page = nullptr;
   };
-  /// A verified run of pages, in prompt order: views into the get buffer, valid until the
-  /// fetch's next call.
+  /// A run of pages whose records matched, in prompt order: views into the get buffer, valid
+  /// until the fetch's next call. Each page must go through copy_tier_page (and count a
+  /// failure with note_rejected) before it is used.
   struct Run {
     std::size_t from = 0;  ///< index of the first page's key
-    std::vector<std::span<const std::byte>> pages;
+    std::vector<TierPage> pages;
     bool complete = false;  ///< every page asked for arrived and was exact (more may follow)
   };
   class Fetch;
@@ -58,8 +62,8 @@ class TierLink {
   using Release = std::function<void(const std::vector<Entry*>&)>;
   /// Inserts pages of a background fetch for job.keys[from..] (takes the cache's lock); returns
   /// how many it put in host memory.
-  using Adopt = std::function<std::size_t(const FetchJob&, std::size_t from,
-                                          std::span<const std::span<const std::byte>>)>;
+  using Adopt =
+      std::function<std::size_t(const FetchJob&, std::size_t from, std::span<const TierPage>)>;
 
   TierLink(std::shared_ptr<Tier> tier, TierOptions options, Key space, std::size_t page_bytes,
            std::int64_t block_tokens, Release release, Adopt adopt);
@@ -76,8 +80,7 @@ class TierLink {
               std::string_view salt, std::size_t from, Clock::time_point deadline);
   /// Hands a fetch's runs to `take` (which returns how many of a run's pages it kept) until one
   /// is not kept whole or the fetch is over.
-  using Take = std::function<std::size_t(std::size_t from,
-                                         std::span<const std::span<const std::byte>> pages)>;
+  using Take = std::function<std::size_t(std::size_t from, std::span<const TierPage> pages)>;
   void fetch_into(std::span<const Key> keys, std::span<const std::int32_t> prompt,
                   std::string_view salt, std::size_t from, Clock::time_point deadline,
                   const Take& take);
@@ -85,6 +88,9 @@ class TierLink {
   bool prefetch(FetchJob job);
   /// Waits until the queue is empty and nothing is in flight (tests, shutdown).
   void drain();
+
+  /// A fetched page whose bytes did not match their checksum when copied out (a miss there).
+  void note_rejected(const std::string& why);
 
   /// Adds the tier's counters to `s`.
   void add_stats(CacheStats& s) const;

@@ -112,10 +112,9 @@ void encode_tier_value(std::byte* out, const Key& space, const Key& key, const K
   std::memcpy(checksum_at, &checksum, sizeof checksum);
 }
 
-std::span<const std::byte> check_tier_value(std::span<const std::byte> value, const Key& space,
-                                            const Key& key, const Key& parent,
-                                            std::span<const std::int32_t> tokens,
-                                            std::size_t page_bytes, std::string& why) {
+TierPage check_tier_record(std::span<const std::byte> value, const Key& space, const Key& key,
+                           const Key& parent, std::span<const std::int32_t> tokens,
+                           std::size_t page_bytes, std::string& why) {
   const std::size_t want = kHeader + tokens.size_bytes() + page_bytes;
   if (value.size() != want) {
     why = "value of " + std::to_string(value.size()) + " bytes, not " + std::to_string(want) +
@@ -152,12 +151,30 @@ std::span<const std::byte> check_tier_value(std::span<const std::byte> value, co
     return {};
   }
   p += tokens.size_bytes();
-  std::span<const std::byte> page(p, page_bytes);
-  if (page_checksum(page) != checksum) {
-    why = "page bytes do not match their checksum (overwritten or torn)";
+  return {{p, page_bytes}, checksum};
+}
+
+namespace {
+constexpr const char* kTorn = "page bytes do not match their checksum (overwritten or torn)";
+}  // namespace
+
+bool copy_tier_page(const TierPage& page, std::byte* out, std::string& why) {
+  if (checksum_copy(page.bytes, out) == page.checksum) return true;
+  why = kTorn;
+  return false;
+}
+
+std::span<const std::byte> check_tier_value(std::span<const std::byte> value, const Key& space,
+                                            const Key& key, const Key& parent,
+                                            std::span<const std::int32_t> tokens,
+                                            std::size_t page_bytes, std::string& why) {
+  const TierPage page = check_tier_record(value, space, key, parent, tokens, page_bytes, why);
+  if (page.bytes.empty()) return {};
+  if (page_checksum(page.bytes) != page.checksum) {
+    why = kTorn;
     return {};
   }
-  return page;
+  return page.bytes;
 }
 
 }  // namespace hicache

@@ -31,6 +31,7 @@
 #include "hicache/slot_mover.hpp"
 #include "hicache/state_buffers.hpp"
 #include "hicache/tier.hpp"
+#include "hicache/tier_record.hpp"
 
 namespace hicache {
 
@@ -146,7 +147,7 @@ class HostPrefixCache {
   // prompt has cached before them. @return pages put there. Lock held.
   std::int64_t adopt_fetched(std::span<const Key> keys, std::span<const std::int32_t> prompt,
                              std::string_view salt, std::size_t from,
-                             std::span<const std::span<const std::byte>> pages);
+                             std::span<const TierPage> pages);
   // The serial of salt's chain root, created if needed (stores only).
   std::uint64_t intern_root(std::string_view salt);
   // 0 if no root exists for salt: lookups never create one, so a miss costs no memory.

@@ -39,6 +39,25 @@ std::size_t tier_value_bytes(std::int64_t block_tokens, std::size_t page_bytes);
 void encode_tier_value(std::byte* out, const Key& space, const Key& key, const Key& parent,
                        std::span<const std::int32_t> tokens, std::span<const std::byte> page);
 
+/// A page in a value whose record matched (check_tier_record), with the checksum its writer
+/// recorded: not yet checked against its bytes.
+struct TierPage {
+  std::span<const std::byte> bytes;
+  std::uint64_t checksum = 0;
+};
+
+/// The page in `value` if it is the value encode_tier_value wrote for exactly these fields;
+/// otherwise empty bytes, with the reason in `why`. The page's own bytes are not checked yet:
+/// copy_tier_page checks them as it copies them (one pass over the page instead of two).
+TierPage check_tier_record(std::span<const std::byte> value, const Key& space, const Key& key,
+                           const Key& parent, std::span<const std::int32_t> tokens,
+                           std::size_t page_bytes, std::string& why);
+
+/// Copies a page to `out` (page.bytes.size() bytes) while computing its checksum; false, with
+/// the reason in `why`, if it is not the one recorded (an overwritten or torn value): what was
+/// copied must then not be used.
+bool copy_tier_page(const TierPage& page, std::byte* out, std::string& why);
+
 /// The page in `value` if it is the value encode_tier_value wrote for exactly these fields and
 /// its page is intact; otherwise an empty span, with the reason in `why`.
 std::span<const std::byte> check_tier_value(std::span<const std::byte> value, const Key& space,
