@@ -6,6 +6,8 @@
 #include <deque>
 #include <map>
 
+#include "page_threads.hpp"
+
 namespace hicache {
 namespace {
 
@@ -13,18 +15,22 @@ namespace {
 void copy_pages_now(Direction dir, const PageLayout& layout, std::span<const PageMove> moves,
                     std::size_t first, std::size_t last) {
   const auto& segs = layout.segments();
-  for (const PageMove& m : moves) {
-    for (std::size_t s = first; s < last; ++s) {
-      std::byte* block = layout.block_address(s, m.block);
-      std::byte* host = m.host + layout.page_offset(s);
-      const auto n = static_cast<std::size_t>(segs[s].block_bytes);
-      if (dir == Direction::kToHost) {
-        std::memcpy(host, block, n);
-      } else {
-        std::memcpy(block, host, n);
-      }
-    }
-  }
+  // Pages on several threads when there are many bytes (a tier's round loaded into CPU blocks
+  // ran at one core's memcpy rate, 14 ms for 64 MiB on an H200 host).
+  detail::for_each_page(moves.size(), layout.page_offset_end(last) - layout.page_offset(first),
+                        [&](std::size_t i) {
+                          const PageMove& m = moves[i];
+                          for (std::size_t s = first; s < last; ++s) {
+                            std::byte* block = layout.block_address(s, m.block);
+                            std::byte* host = m.host + layout.page_offset(s);
+                            const auto n = static_cast<std::size_t>(segs[s].block_bytes);
+                            if (dir == Direction::kToHost) {
+                              std::memcpy(host, block, n);
+                            } else {
+                              std::memcpy(block, host, n);
+                            }
+                          }
+                        });
 }
 
 void copy_bytes_now(Direction dir, const DeviceBuffer& buf, std::byte* host) {

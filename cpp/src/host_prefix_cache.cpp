@@ -13,6 +13,7 @@
 #include "hicache/hash_chain.hpp"
 #include "hicache/tier_record.hpp"
 #include "layer_queue.hpp"
+#include "page_threads.hpp"
 #include "tier_link.hpp"
 
 namespace hicache {
@@ -203,20 +204,36 @@ std::int64_t HostPrefixCache::adopt_fetched(std::span<const Key> keys,
   walk_cached(pages_, keys, from, root, w.chain, same);
   if (w.chain.size() < from) return 0;  // the pages before them were evicted meanwhile
   bool unpinned = false;
-  std::string torn;
   const std::size_t before = w.chain.size();
+  std::vector<std::byte*> slots;  // of w.fresh, in order
   walk_store(pages_, *admit_all_, next_serial_, keys.first(from + pages.size()), root,
              StaleKeys::kReplace, w, same, [&](std::size_t i, Entry* e) {
                std::byte* host = host_slot(mover_.pool(), e->slot, unpinned);
                if (host == nullptr) return false;
-               // Checked as it is copied: a page whose bytes fail is refused (its entry erased,
-               // the store ends there), so nothing unchecked is ever published.
-               if (!copy_tier_page(pages[i - from], host, torn)) return false;
+               slots.push_back(host);
                const auto toks = tokens_of(i);
                e->tokens.assign(toks.begin(), toks.end());
                return true;
              });
-  if (!torn.empty()) link_->note_rejected(torn);
+  // Each page is checked as it is copied (on several threads for a large run); the entries
+  // from the first page that fails on are erased, deepest first, before anything is published,
+  // so nothing unchecked is ever served. Fresh entries are the chain's tail.
+  const std::size_t first_fresh = w.chain.size() - w.fresh.size();
+  std::vector<char> ok(slots.size(), 0);
+  std::vector<std::string> why(slots.size());
+  detail::for_each_page(slots.size(), mover_.layout().page_bytes(), [&](std::size_t j) {
+    ok[j] = copy_tier_page(pages[first_fresh + j - from], slots[j], why[j]) ? 1 : 0;
+  });
+  const auto bad = static_cast<std::size_t>(std::find(ok.begin(), ok.end(), 0) - ok.begin());
+  if (bad < slots.size()) {
+    for (std::size_t j = w.fresh.size(); j-- > bad;) {
+      pages_.unpin(w.fresh[j]);
+      pages_.erase(w.fresh[j]);
+    }
+    w.chain.resize(first_fresh + bad);
+    w.fresh.resize(bad);
+    link_->note_rejected(why[bad]);
+  }
   for (Entry* e : w.fresh) {  // copied by this thread: complete now
     e->ready = true;
     pages_.unpin(e);

@@ -5,6 +5,7 @@
 
 #include "hicache/hash_chain.hpp"
 #include "hicache/tier_record.hpp"
+#include "page_threads.hpp"
 
 namespace hicache {
 namespace {
@@ -156,12 +157,15 @@ void TierLink::write(std::vector<PutPage>& pages) {
     std::vector<Entry*> entries;
     for (std::size_t j = 0; j < n; ++j) {
       const PutPage& p = pages[begin + j];
-      std::byte* v = base + j * value_bytes_;
-      encode_tier_value(v, space_, p.key, p.parent, p.tokens, {p.page, page_bytes_});
       names.push_back(tier_value_name(space_, p.key));
-      values.push_back(v);
+      values.push_back(base + j * value_bytes_);
       entries.push_back(p.entry);
     }
+    detail::for_each_page(n, value_bytes_, [&](std::size_t j) {
+      const PutPage& p = pages[begin + j];
+      encode_tier_value(base + j * value_bytes_, space_, p.key, p.parent, p.tokens,
+                        {p.page, page_bytes_});
+    });
     release_(entries);
     try {
       std::lock_guard<std::mutex> t(tier_mu_);
