@@ -38,7 +38,9 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=7)
     args = ap.parse_args()
     B, page, n = 16, args.page_kib << 10, args.pages
-    seg = 16 * n * (page + 4096)
+    # Each client lends enough for every value of every repetition (raw and hicache's, twice over):
+    # a full store refuses puts and later reads miss.
+    seg = max(16, 2 * args.reps + 2) * n * (page + 4096)
     ta = MooncakeTier(args.master, args.metadata, segment_bytes=seg)
     tb = MooncakeTier(args.master, args.metadata, segment_bytes=seg)
     rng = np.random.default_rng(0)
