@@ -104,26 +104,20 @@ def simulate(trace: replay.Trace, capacity: int, admission: str, eviction: str) 
         served += h
         seen_before: set[Page] = set()
         continuing = False
-        if admission.startswith("ghost"):
+        if admission.startswith(("ghost", "cont")):
             for q in req:
                 if q in ghost:
                     seen_before.add(q)
                     ghost.move_to_end(q)
                 ghost[q] = None
-            while len(ghost) > int(admission[5:]) * capacity:
+            pools = int(admission[5:]) if admission.startswith("ghost") else 4
+            while len(ghost) > pools * capacity:
                 ghost.popitem(last=False)
-        elif admission.startswith("cont"):
             # cont<x>: second sightings, and every page of a prompt whose pages were mostly seen
             # before (at least x of them: the next turn of a conversation, which continues
             # more often the longer it has gone on).
-            for q in req:
-                if q in ghost:
-                    seen_before.add(q)
-                    ghost.move_to_end(q)
-                ghost[q] = None
-            while len(ghost) > 4 * capacity:
-                ghost.popitem(last=False)
-            continuing = len(seen_before) >= float(admission[4:]) * len(req)
+            if admission.startswith("cont"):
+                continuing = len(seen_before) >= float(admission[4:]) * len(req)
         elif admission.startswith("freq"):
             for q in req:
                 counts[q] += 1

@@ -323,7 +323,7 @@ class CudaCopier final : public Copier {
     auto s = static_cast<cudaStream_t>(stream);
     if (dir == Direction::kToHost) return copy_segment_range(dir, moves, first, last, s);
     load(
-        moves.size() * (layout.page_offset_end(last) - layout.page_offset(first)), s,
+        moves.size() * layout.range_bytes(first, last), s,
         [&] { copy_segment_range(Direction::kToDevice, moves, first, last, s); },
         [&] { sub_table(first, last).launch(Direction::kToDevice, moves, express_blocks_, s); });
   }

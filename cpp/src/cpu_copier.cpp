@@ -17,20 +17,19 @@ void copy_pages_now(Direction dir, const PageLayout& layout, std::span<const Pag
   const auto& segs = layout.segments();
   // Pages on several threads when there are many bytes (a tier's round loaded into CPU blocks
   // ran at one core's memcpy rate, 14 ms for 64 MiB on an H200 host).
-  detail::for_each_page(moves.size(), layout.page_offset_end(last) - layout.page_offset(first),
-                        [&](std::size_t i) {
-                          const PageMove& m = moves[i];
-                          for (std::size_t s = first; s < last; ++s) {
-                            std::byte* block = layout.block_address(s, m.block);
-                            std::byte* host = m.host + layout.page_offset(s);
-                            const auto n = static_cast<std::size_t>(segs[s].block_bytes);
-                            if (dir == Direction::kToHost) {
-                              std::memcpy(host, block, n);
-                            } else {
-                              std::memcpy(block, host, n);
-                            }
-                          }
-                        });
+  detail::for_each_page(moves.size(), layout.range_bytes(first, last), [&](std::size_t i) {
+    const PageMove& m = moves[i];
+    for (std::size_t s = first; s < last; ++s) {
+      std::byte* block = layout.block_address(s, m.block);
+      std::byte* host = m.host + layout.page_offset(s);
+      const auto n = static_cast<std::size_t>(segs[s].block_bytes);
+      if (dir == Direction::kToHost) {
+        std::memcpy(host, block, n);
+      } else {
+        std::memcpy(block, host, n);
+      }
+    }
+  });
 }
 
 void copy_bytes_now(Direction dir, const DeviceBuffer& buf, std::byte* host) {
@@ -74,8 +73,7 @@ void CpuCopier::copy_segments(Direction dir, const PageLayout& layout,
   const auto t0 = std::chrono::steady_clock::now();
   copy_pages_now(dir, layout, moves, first, last);
   if (dir == Direction::kToDevice && !moves.empty()) {
-    const std::size_t bytes =
-        moves.size() * (layout.page_offset_end(last) - layout.page_offset(first));
+    const std::size_t bytes = moves.size() * layout.range_bytes(first, last);
     load_rate_.add(bytes,
                    std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
   }

@@ -13,9 +13,8 @@ LayerQueue::LayerQueue(std::shared_ptr<std::mutex> mutex, Plan plan)
 }
 
 std::size_t LayerQueue::layer_bytes(std::size_t layer) const {
-  const PageLayout& layout = *plan_.layout;
-  return plan_.moves.size() * (layout.page_offset_end(plan_.layer_starts[layer + 1]) -
-                               layout.page_offset(plan_.layer_starts[layer]));
+  return plan_.moves.size() *
+         plan_.layout->range_bytes(plan_.layer_starts[layer], plan_.layer_starts[layer + 1]);
 }
 
 void LayerQueue::issue_through(std::size_t layer) {

@@ -21,7 +21,13 @@ inline constexpr unsigned kMaxPageThreads = 8;
 template <class Fn>
 void for_each_page(std::size_t n, std::size_t page_bytes, Fn&& fn) {
   const std::size_t by_bytes = n * page_bytes / kBytesPerThread;
-  const auto cores = static_cast<std::size_t>(std::max(1u, std::thread::hardware_concurrency()));
+  if (by_bytes <= 1) {  // most calls (the CPU copier's every load and store): no threads
+    for (std::size_t i = 0; i < n; ++i) fn(i);
+    return;
+  }
+  // Asked once: each call is a system call (glibc's get_nprocs).
+  static const auto cores =
+      static_cast<std::size_t>(std::max(1u, std::thread::hardware_concurrency()));
   const std::size_t threads =
       std::min({by_bytes, cores, static_cast<std::size_t>(kMaxPageThreads), n});
   if (threads <= 1) {

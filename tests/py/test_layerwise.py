@@ -102,19 +102,28 @@ def test_a_bad_prefill_model_is_named() -> None:
         assert cache.stats().pages_busy == 0  # the pages the failed call held are free again
 
 
-@needs_gpu
-@pytest.mark.parametrize("chunk", [1 << 20, 32 << 10], ids=["dma-1MiB", "kernel-32KiB"])
-def test_on_a_gpu_the_compute_stream_waits_for_each_layer_on_the_device(chunk: int) -> None:
-    # Up to 64 MiB a layer: the copy stream is still busy when the engine asks for layer 0.
-    # Chunks of 1 MiB cross on the DMA engines, 32 KiB ones through the kernel's layer table.
-    segs = [torch.zeros(16, B, chunk // B, device="cuda", dtype=torch.uint8) for _ in range(8)]
-    cache = hicache.HostPrefixCache(segs, block_tokens=B, capacity_pages=8, admission="always", layers=4)
+def _gpu_stored(
+    chunk: int, blocks: int, **kwargs: object
+) -> tuple[list[torch.Tensor], hicache.HostPrefixCache, list[int]]:
+    """4 layers of K and V (8 uint8 segments of `chunk` bytes a block) on the GPU; blocks 0-3 of
+    segment i hold i + 1 and are stored as the 4 pages of the returned prompt."""
+    segs = [torch.zeros(blocks, B, chunk // B, device="cuda", dtype=torch.uint8) for _ in range(8)]
+    cache = hicache.HostPrefixCache(segs, block_tokens=B, admission="always", layers=4, **kwargs)
     for i, s in enumerate(segs):
         s[:4] = i + 1
     prompt = list(range(4 * B + 1))
     assert cache.store("s", prompt, [0, 1, 2, 3, 4]) == 4
     torch.cuda.synchronize()
     cache.poll()
+    return segs, cache, prompt
+
+
+@needs_gpu
+@pytest.mark.parametrize("chunk", [1 << 20, 32 << 10], ids=["dma-1MiB", "kernel-32KiB"])
+def test_on_a_gpu_the_compute_stream_waits_for_each_layer_on_the_device(chunk: int) -> None:
+    # Up to 64 MiB a layer: the copy stream is still busy when the engine asks for layer 0.
+    # Chunks of 1 MiB cross on the DMA engines, 32 KiB ones through the kernel's layer table.
+    segs, cache, prompt = _gpu_stored(chunk, 16, capacity_pages=8)
     copy = torch.cuda.Stream()
     load = cache.try_resume_layerwise("r", prompt, lambda n: [8, 9, 10, 11][: n // B], stream=copy)
     assert load.tokens == 4 * B and load.layers == 4
@@ -134,16 +143,7 @@ def test_a_large_layerwise_load_submits_later_layers_as_the_engine_asks_for_them
     # it, so layer 3 crosses only once the engine asks for it; a load dropped before that never
     # writes layer 3 and releases its pages.
     chunk = 32 << 20
-    segs = [torch.zeros(8, B, chunk // B, device="cuda", dtype=torch.uint8) for _ in range(8)]
-    cache = hicache.HostPrefixCache(
-        segs, block_tokens=B, capacity_pages=4, admission="always", layers=4, pin_upfront=True
-    )
-    for i, s in enumerate(segs):
-        s[:4] = i + 1
-    prompt = list(range(4 * B + 1))
-    assert cache.store("s", prompt, [0, 1, 2, 3, 4]) == 4
-    torch.cuda.synchronize()
-    cache.poll()
+    segs, cache, prompt = _gpu_stored(chunk, 8, capacity_pages=4, pin_upfront=True)
 
     def sums(layer: int) -> list[int]:  # on the current stream
         return [int(segs[2 * layer + j][4:8].sum(dtype=torch.int64)) for j in range(2)]

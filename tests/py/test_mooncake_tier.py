@@ -116,28 +116,35 @@ def _resume(cache: hicache.HostPrefixCache, kv: np.ndarray, rid: str, prompt: np
     return cache.try_resume(rid, prompt, lambda n: list(range(n // B)))
 
 
-def test_a_value_truncated_or_overwritten_with_another_pages_bytes_is_a_miss(master) -> None:
-    kv_a = _pages(1, 8)
+def _written(master, seed: int, pages: int) -> tuple:
+    """Host A's cache (kept alive: its client may hold the values), its tier, KV and prompt, after
+    its `pages` pages reached the tier under `names`."""
+    kv_a = _pages(seed, pages)
     a, ta = _host(master, kv_a)
-    prompt = _prompt(1, 8)
-    assert a.store("a", prompt, list(range(8))) == 8
+    prompt = _prompt(seed, pages)
+    assert a.store("a", prompt, list(range(pages))) == pages
     a.poll()
     a.flush_tier()
-    keys = hicache.chain_keys(prompt, B)
+    names = [a.tier_name(k) for k in hicache.chain_keys(prompt, B)]
+    return a, ta, kv_a, prompt, names
+
+
+def test_a_value_truncated_or_overwritten_with_another_pages_bytes_is_a_miss(master) -> None:
+    _a, ta, kv_a, prompt, names = _written(master, 1, 8)  # _a keeps host A alive
     raw = ta._store  # the Mooncake client itself, as another program would use it
-    good = raw.get(a.tier_name(keys[3]))
+    good = raw.get(names[3])
     assert len(good) > PAGE
     damages = {
         "truncated": good[:-100],
-        "another page's value": raw.get(a.tier_name(keys[4])),
+        "another page's value": raw.get(names[4]),
         "page bytes overwritten": good[:-PAGE] + bytes(PAGE),
     }
 
     def replace(value: bytes) -> None:
         time.sleep(0.3)  # past the lease the last read took (replacing a leased value hides it)
-        assert raw.upsert(a.tier_name(keys[3]), value) == 0
+        assert raw.upsert(names[3], value) == 0
         deadline = time.monotonic() + 10  # the store replaces it in the background
-        while raw.get(a.tier_name(keys[3])) != value:
+        while raw.get(names[3]) != value:
             assert time.monotonic() < deadline, "the store did not take the new value"
             time.sleep(0.05)
         time.sleep(0.3)  # and past the lease of that read
@@ -161,13 +168,7 @@ def test_a_value_truncated_or_overwritten_with_another_pages_bytes_is_a_miss(mas
 
 
 def test_an_object_deleted_between_exists_and_get_is_a_miss(master) -> None:
-    kv_a = _pages(2, 6)
-    a, _ = _host(master, kv_a)
-    prompt = _prompt(2, 6)
-    a.store("a", prompt, list(range(6)))
-    a.poll()
-    a.flush_tier()
-    names = [a.tier_name(k) for k in hicache.chain_keys(prompt, B)]
+    _a, _, kv_a, prompt, names = _written(master, 2, 6)
 
     class DeletingTier(MooncakeTier):
         """Another host deletes page 4 after it was found and before it is read."""
@@ -209,14 +210,8 @@ class _ExpiringStore:
 
 @pytest.mark.parametrize("times", [1, 2], ids=["expired-once", "expired-twice"])
 def test_a_read_whose_lease_expired_is_tried_once_more(master, times: int) -> None:
-    kv_a = _pages(4, 5)
-    a, _ = _host(master, kv_a)
-    prompt = _prompt(4, 5)
-    a.store("a", prompt, list(range(5)))
-    a.poll()
-    a.flush_tier()
+    _a, _, kv_a, prompt, names = _written(master, 4, 5)
     tier = MooncakeTier(master.rpc, master.metadata, segment_bytes=64 << 20)
-    names = [a.tier_name(k) for k in hicache.chain_keys(prompt, B)]
     tier._store = store = _ExpiringStore(tier._store, names[2], times)
     kv_b = np.zeros((5, PAGE), np.uint8)
     b = hicache.HostPrefixCache(kv_b, block_tokens=B, capacity_pages=64, tier=tier, tier_wait_ms=5000)

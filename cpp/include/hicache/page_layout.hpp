@@ -40,6 +40,10 @@ class PageLayout {
   std::size_t page_offset_end(std::size_t s) const {
     return s < offsets_.size() ? offsets_[s] : page_bytes_;
   }
+  /// Bytes of segments [first, last) in a host page (one layer's, for layer-wise loads).
+  std::size_t range_bytes(std::size_t first, std::size_t last) const {
+    return page_offset_end(last) - page_offset(first);
+  }
   std::byte* block_address(std::size_t s, std::int64_t block) const {
     const Segment& seg = segments_[s];
     return static_cast<std::byte*>(seg.base) + block * seg.block_stride;
