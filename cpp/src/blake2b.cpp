@@ -80,11 +80,13 @@ void Blake2b::update(const void* data, std::size_t n) {
   while (n > 0) {
     // The last block must be compressed with the final flag, so a full buffer is only flushed
     // once more input arrives.
-    if (buf_len_ == sizeof buf_) {
-      t_[0] += sizeof buf_;
-      if (t_[0] < sizeof buf_) ++t_[1];
-      compress(buf_, false);
-      buf_len_ = 0;
+    if (buf_len_ == sizeof buf_) more_follows();
+    // Whole blocks with more input after them are compressed in place, not through the buffer.
+    while (buf_len_ == 0 && n > sizeof buf_) {
+      count(sizeof buf_);
+      compress(p, false);
+      p += sizeof buf_;
+      n -= sizeof buf_;
     }
     std::size_t take = sizeof buf_ - buf_len_;
     if (take > n) take = n;
@@ -95,9 +97,20 @@ void Blake2b::update(const void* data, std::size_t n) {
   }
 }
 
+void Blake2b::more_follows() {
+  if (buf_len_ != sizeof buf_) return;
+  count(sizeof buf_);
+  compress(buf_, false);
+  buf_len_ = 0;
+}
+
+void Blake2b::count(std::size_t n) {
+  t_[0] += n;
+  if (t_[0] < n) ++t_[1];
+}
+
 void Blake2b::finish(std::uint8_t* out) {
-  t_[0] += buf_len_;
-  if (t_[0] < buf_len_) ++t_[1];
+  count(buf_len_);
   std::memset(buf_ + buf_len_, 0, sizeof buf_ - buf_len_);
   compress(buf_, true);
   for (std::size_t i = 0; i < digest_bytes_; ++i) {

@@ -12,11 +12,16 @@ class Blake2b {
   /// @param digest_bytes 1..64
   explicit Blake2b(std::size_t digest_bytes);
   void update(const void* data, std::size_t n);
+  /// Promises that more input follows: a full buffered block is compressed now instead of at
+  /// the next update (so a state made of whole blocks can be copied and finished later with
+  /// different endings, each costing only its own blocks).
+  void more_follows();
   /// Writes digest_bytes bytes to out. The object must not be updated afterwards.
   void finish(std::uint8_t* out);
 
  private:
   void compress(const std::uint8_t* block, bool last);
+  void count(std::size_t n);  // the byte counter t
 
   std::uint64_t h_[8];
   std::uint64_t t_[2] = {0, 0};

@@ -6,6 +6,8 @@
 #include <stdexcept>
 
 #include "blake2b.hpp"
+#include "chain_hasher.hpp"
+#include "page_threads.hpp"
 
 namespace hicache {
 
@@ -19,9 +21,13 @@ std::string Key::hex() const {
   return s;
 }
 
-Key chain_step(std::span<const std::uint8_t> prefix, std::span<const std::int32_t> tokens) {
-  detail::Blake2b h(16);
-  h.update(prefix.data(), prefix.size());
+namespace {
+
+// Token bytes a hashing thread takes at least (~100 us of hashing: a thread costs tens of
+// microseconds to start); runs shorter than two threads' worth stay on the calling thread.
+constexpr std::size_t kHashBytesPerThread = std::size_t{64} << 10;
+
+void absorb(detail::Blake2b& h, std::span<const std::int32_t> tokens) {
   if constexpr (std::endian::native == std::endian::little) {
     h.update(tokens.data(), tokens.size_bytes());
   } else {
@@ -33,9 +39,21 @@ Key chain_step(std::span<const std::uint8_t> prefix, std::span<const std::int32_
       h.update(le, 4);
     }
   }
+}
+
+Key finish(detail::Blake2b& h, std::span<const std::uint8_t> suffix) {
+  h.update(suffix.data(), suffix.size());
   Key k;
   h.finish(k.bytes.data());
   return k;
+}
+
+}  // namespace
+
+Key chain_step(std::span<const std::int32_t> tokens, std::span<const std::uint8_t> suffix) {
+  detail::Blake2b h(16);
+  absorb(h, tokens);
+  return finish(h, suffix);
 }
 
 namespace {
@@ -59,17 +77,66 @@ std::vector<Key> chain_keys(std::string_view salt, std::span<const std::int32_t>
 void extend_chain_keys(std::vector<Key>& keys, std::string_view salt,
                        std::span<const std::int32_t> tokens, std::int64_t block_tokens,
                        std::int64_t max_pages, int key_bits) {
+  detail::ChainHasher(salt, tokens, block_tokens, max_pages, key_bits).extend(keys, max_pages);
+}
+
+namespace detail {
+
+ChainHasher::ChainHasher(std::string_view salt, std::span<const std::int32_t> tokens,
+                         std::int64_t block_tokens, std::int64_t limit, int key_bits)
+    : salt_(reinterpret_cast<const std::uint8_t*>(salt.data()), salt.size()),
+      tokens_(tokens),
+      block_tokens_(static_cast<std::size_t>(block_tokens)),
+      key_bits_(key_bits) {
   if (block_tokens < 1) throw std::invalid_argument("block_tokens must be >= 1");
   if (key_bits < 1 || key_bits > 128) throw std::invalid_argument("key_bits must be in [1, 128]");
   const auto full = static_cast<std::int64_t>(tokens.size()) / block_tokens;
-  const auto n = std::max<std::int64_t>(0, std::min(full, max_pages));
-  keys.reserve(static_cast<std::size_t>(n));
-  for (auto i = static_cast<std::int64_t>(keys.size()); i < n; ++i) {
-    auto page = tokens.subspan(static_cast<std::size_t>(i * block_tokens),
-                               static_cast<std::size_t>(block_tokens));
-    keys.push_back(i == 0 ? chain_first(salt, page) : chain_next(keys.back(), page));
-    if (key_bits < 128) truncate_key(keys.back(), key_bits);
+  limit_ = static_cast<std::size_t>(std::max<std::int64_t>(0, std::min(full, limit)));
+}
+
+std::span<const std::int32_t> ChainHasher::page(std::size_t i) const {
+  return tokens_.subspan(i * block_tokens_, block_tokens_);
+}
+
+// The token blocks of pages [first, first + kMaxMidstates) (up to the limit), on the page
+// threads: each page's state after every block but a last one that a key or salt follows.
+void ChainHasher::hash_blocks_ahead(std::size_t first) {
+  mids_first_ = first;
+  mids_.assign(std::min(limit_ - first, kMaxMidstates), Blake2b(16));
+  for_each_page(
+      mids_.size(), block_tokens_ * sizeof(std::int32_t),
+      [&](std::size_t j) {
+        const std::size_t i = first + j;
+        absorb(mids_[j], page(i));
+        if (i > 0 || !salt_.empty()) mids_[j].more_follows();
+      },
+      kHashBytesPerThread);
+}
+
+void ChainHasher::extend(std::vector<Key>& keys, std::int64_t upto) {
+  const std::size_t n = std::min(limit_, static_cast<std::size_t>(std::max<std::int64_t>(0, upto)));
+  keys.reserve(n);
+  while (keys.size() < n) {
+    const std::size_t i = keys.size();
+    const bool ahead = i >= mids_first_ && i < mids_first_ + mids_.size();
+    // Ahead to the limit once the keys are wanted past a first installment (a lookup whose first
+    // pages all hit), or at once when they are wanted to the limit.
+    const bool worth_it =
+        (limit_ - i) * block_tokens_ * sizeof(std::int32_t) >= 2 * kHashBytesPerThread;
+    if (!ahead && worth_it && (i > 0 || n == limit_)) {
+      hash_blocks_ahead(i);
+      continue;
+    }
+    Blake2b h(16);
+    if (ahead) {
+      h = mids_[i - mids_first_];
+    } else {
+      absorb(h, page(i));
+    }
+    keys.push_back(finish(h, i == 0 ? salt_ : std::span<const std::uint8_t>(keys.back().bytes)));
+    if (key_bits_ < 128) truncate_key(keys.back(), key_bits_);
   }
 }
 
+}  // namespace detail
 }  // namespace hicache

@@ -6,6 +6,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "chain_hasher.hpp"
 #include "hicache/chain_walk.hpp"
 #include "hicache/cpu_copier.hpp"
 #include "hicache/cuda_copier.hpp"
@@ -305,8 +306,8 @@ std::int64_t HostPrefixCache::try_resume(std::string_view request_id,
   // early does not hash the whole prompt (about 1 us a page). After each installment the walk
   // starts again under the lock, so nothing found before an unlock is trusted after it.
   std::vector<Key> keys;
-  extend_chain_keys(keys, chain_salt, prompt, B, std::min<std::int64_t>(max_pages, kFirstKeys),
-                    config_.key_bits);
+  detail::ChainHasher hasher(chain_salt, prompt, B, max_pages, config_.key_bits);
+  hasher.extend(keys, std::min<std::int64_t>(max_pages, kFirstKeys));
 
   std::unique_lock<std::mutex> lock(mu_);
   retire_completed();
@@ -328,9 +329,8 @@ std::int64_t HostPrefixCache::try_resume(std::string_view request_id,
       break;
     }
     lock.unlock();
-    extend_chain_keys(keys, chain_salt, prompt, B,
-                      std::min<std::int64_t>(max_pages, 2 * static_cast<std::int64_t>(keys.size())),
-                      config_.key_bits);
+    hasher.extend(keys,
+                  std::min<std::int64_t>(max_pages, 2 * static_cast<std::int64_t>(keys.size())));
     lock.lock();
     if (disabled_) return 0;
   }
@@ -348,7 +348,7 @@ std::int64_t HostPrefixCache::try_resume(std::string_view request_id,
                        {}});
     } else {
       lock.unlock();
-      extend_chain_keys(keys, chain_salt, prompt, B, max_pages, config_.key_bits);
+      hasher.extend(keys, max_pages);
       const auto deadline =
           TierLink::Clock::now() + std::chrono::microseconds(config_.tier.wait_us);
       link_->fetch_into(

@@ -10,7 +10,8 @@
 namespace hicache {
 namespace {
 
-constexpr std::array<char, 8> kMagic = {'h', 'i', 'c', 'a', 'c', 'h', 'e', '1'};
+// "hicache2": keys hash the tokens before the previous key ("hicache1" hashed it first).
+constexpr std::array<char, 8> kMagic = {'h', 'i', 'c', 'a', 'c', 'h', 'e', '2'};
 constexpr std::size_t kHeader = 8 + 16 * 3 + 4 + 4 + 8 + 8;
 
 template <class T>
@@ -42,11 +43,11 @@ Key tier_space(std::string_view space, const PageLayout& layout, std::int64_t bl
   add(key_bits);
   add(static_cast<std::int64_t>(layout.segments().size()));
   for (const Segment& s : layout.segments()) add(s.block_bytes);
-  return chain_step(d, {});
+  return chain_step({}, d);
 }
 
 Key tier_salt_digest(std::string_view salt) {
-  return chain_step({reinterpret_cast<const std::uint8_t*>(salt.data()), salt.size()}, {});
+  return chain_step({}, {reinterpret_cast<const std::uint8_t*>(salt.data()), salt.size()});
 }
 
 std::string tier_value_name(const Key& space, const Key& key) {

@@ -37,12 +37,12 @@ def truncate_key(key: bytes, key_bits: int) -> bytes:
 def reference_chain_keys(
     tokens: Sequence[int] | np.ndarray, block_tokens: int = 128, salt: bytes = b"", key_bits: int = 128
 ) -> list[bytes]:
-    """``key_i = blake2b(key_{i-1} || tokens_i as <i4, digest_size=16)``, ``key_{-1} = salt``."""
+    """``key_i = blake2b(tokens_i as <i4 || key_{i-1}, digest_size=16)``, ``key_{-1} = salt``."""
     arr = np.asarray(tokens, dtype="<i4")
     keys: list[bytes] = []
     prev = salt
     for i in range(len(arr) // block_tokens):
         page = arr[i * block_tokens : (i + 1) * block_tokens].tobytes()
-        prev = truncate_key(hashlib.blake2b(prev + page, digest_size=16).digest(), key_bits)
+        prev = truncate_key(hashlib.blake2b(page + prev, digest_size=16).digest(), key_bits)
         keys.append(prev)
     return keys

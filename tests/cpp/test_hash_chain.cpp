@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "blake2b.hpp"
+#include "chain_hasher.hpp"
 #include "hicache/hash_chain.hpp"
 
 namespace {
@@ -63,6 +64,23 @@ TEST(Blake2b, MultiBlockInputFedInOddPiecesMatchesHashlib) {
   EXPECT_EQ(hex(out, 16), "e0892860f9fc0da273b9db57e857c19a");
 }
 
+TEST(Blake2b, AStateMadeOfWholeBlocksFinishesAsOneUpdateWould) {
+  std::vector<std::uint8_t> data(256 + 16);
+  for (std::size_t i = 0; i < data.size(); ++i) data[i] = static_cast<std::uint8_t>(i * 7);
+  hicache::detail::Blake2b whole(16);
+  whole.update(data.data(), data.size());
+  std::uint8_t expect[16];
+  whole.finish(expect);
+  hicache::detail::Blake2b mid(16);
+  mid.update(data.data(), 256);
+  mid.more_follows();  // compresses the second block now; the copy finishes with the rest
+  hicache::detail::Blake2b copy = mid;
+  copy.update(data.data() + 256, 16);
+  std::uint8_t got[16];
+  copy.finish(got);
+  EXPECT_EQ(hex(got, 16), hex(expect, 16));
+}
+
 TEST(HashChain, FirstKeyAndNextKeyMatchHashlib) {
   const auto t0 = iota_tokens(128);
   const hicache::Key k0 = hicache::chain_first("", t0);
@@ -74,12 +92,12 @@ TEST(HashChain, FirstKeyAndNextKeyMatchHashlib) {
     t1.push_back(7);
   }
   t1.resize(128);
-  EXPECT_EQ(hicache::chain_next(k0, t1).hex(), "9a787081d852ccc7736a2f874cebc71e");
+  EXPECT_EQ(hicache::chain_next(k0, t1).hex(), "3cec13bfedfbf98f5fdf7cb02ed8c1bf");
 }
 
 TEST(HashChain, SaltIsTheRoot) {
   const auto t0 = iota_tokens(128);
-  EXPECT_EQ(hicache::chain_first("tenant-a", t0).hex(), "924cf8f35707845095446dd0c2381db3");
+  EXPECT_EQ(hicache::chain_first("tenant-a", t0).hex(), "85424fe689ce127c03cf16d51de68ceb");
   EXPECT_NE(hicache::chain_first("tenant-a", t0), hicache::chain_first("tenant-b", t0));
 }
 
@@ -92,6 +110,56 @@ TEST(HashChain, ChainKeysCoverOnlyFullPagesUpToTheCap) {
   EXPECT_EQ(keys[0].hex(), "ae60e591e6dd21c3cb937e62770392c9");
   EXPECT_EQ(keys[1], hicache::chain_next(keys[0], std::span(t).subspan(128, 128)));
   EXPECT_THROW(hicache::chain_keys("", t, 0), std::invalid_argument);
+}
+
+// Long prompts hash their pages' token blocks on several threads, in runs of at most 2048 pages,
+// and finish the chain on the calling thread: the keys must be those of the page-by-page chain,
+// with and without a salt, truncated or not, whole or in installments.
+TEST(HashChain, LongPromptsHashedOnSeveralThreadsGiveThePageByPageChain) {
+  const int pages = 5000;
+  const auto t = iota_tokens(128 * pages + 77);
+  for (const std::string salt : {"", "tenant-a"}) {
+    for (int bits : {128, 20}) {
+      std::vector<hicache::Key> expect;
+      for (int i = 0; i < pages; ++i) {
+        const auto page = std::span(t).subspan(static_cast<std::size_t>(i) * 128, 128);
+        hicache::Key k =
+            i == 0 ? hicache::chain_first(salt, page) : hicache::chain_next(expect.back(), page);
+        for (int b = 0; b < 16; ++b) {
+          const int keep = std::clamp(bits - 8 * b, 0, 8);
+          k.bytes[static_cast<std::size_t>(b)] &= static_cast<std::uint8_t>(0xFF00 >> keep);
+        }
+        expect.push_back(k);
+      }
+      EXPECT_EQ(hicache::chain_keys(salt, t, 128, INT64_MAX, bits), expect) << salt << bits;
+      std::vector<hicache::Key> parts;
+      for (std::int64_t upto : {16, 700, 2100, 4999, 5000}) {
+        hicache::extend_chain_keys(parts, salt, t, 128, upto, bits);
+        ASSERT_EQ(parts.size(), static_cast<std::size_t>(upto));
+      }
+      EXPECT_EQ(parts, expect) << salt << bits;
+    }
+  }
+}
+
+// A lookup's installments (16, 32, 64... pages: the token blocks of the rest hashed ahead on the
+// page threads once it goes past the first) give the same keys as one call, up to the limit.
+TEST(HashChain, InstallmentsOfALookupGiveTheSameKeys) {
+  const auto t = iota_tokens(128 * 9000 + 5);  // past one run of midstates (8192 pages)
+  for (const std::string salt : {"", "s"}) {
+    for (std::int64_t limit : {10, 3000, 9000, 20000}) {
+      const auto expect = hicache::chain_keys(salt, t, 128, limit);
+      hicache::detail::ChainHasher hasher(salt, t, 128, limit, 128);
+      std::vector<hicache::Key> keys;
+      for (std::int64_t upto = 16; keys.size() < expect.size(); upto *= 2) {
+        hasher.extend(keys, upto);
+        ASSERT_EQ(keys.size(),
+                  std::min<std::size_t>(static_cast<std::size_t>(upto), expect.size()));
+      }
+      hasher.extend(keys, limit + 5);  // nothing past the limit
+      EXPECT_EQ(keys, expect) << salt << " " << limit;
+    }
+  }
 }
 
 TEST(HashChain, TruncatedKeysKeepTheLeadingBitsAndSeedTheNextKey) {

@@ -1,10 +1,13 @@
 #pragma once
 // The hash chain over a prompt.
 //
-//   key_0 = blake2b(salt    || tokens[0:B]   as int32 little-endian, digest_size=16)
-//   key_i = blake2b(key_i-1 || tokens[iB:(i+1)B] ...)
+//   key_0 = blake2b(tokens[0:B]       as int32 little-endian || salt,    digest_size=16)
+//   key_i = blake2b(tokens[iB:(i+1)B] as int32 little-endian || key_i-1, digest_size=16)
 //
 // Bit-identical to Python's hashlib.blake2b, so keys are stable across processes and machines.
+// The previous key comes last so that most of the work does not wait for it: a page's token
+// blocks (four of the five BLAKE2b blocks of a 128-token page) are hashed on several threads for
+// long prompts, and only the last block follows the chain (chain_keys).
 
 #include <cstdint>
 #include <span>
@@ -15,17 +18,17 @@
 
 namespace hicache {
 
-/// BLAKE2b with a 16-byte digest over the concatenation of `prefix` and `tokens` (int32 LE).
-Key chain_step(std::span<const std::uint8_t> prefix, std::span<const std::int32_t> tokens);
+/// BLAKE2b with a 16-byte digest over `tokens` (int32 LE) followed by `suffix`.
+Key chain_step(std::span<const std::int32_t> tokens, std::span<const std::uint8_t> suffix);
 
 /// Key of the next page given the previous page's key.
 inline Key chain_next(const Key& prev, std::span<const std::int32_t> tokens) {
-  return chain_step(prev.bytes, tokens);
+  return chain_step(tokens, prev.bytes);
 }
 
 /// Key of the first page: the salt (any bytes, empty by default) is the chain's root.
 inline Key chain_first(std::string_view salt, std::span<const std::int32_t> tokens) {
-  return chain_step({reinterpret_cast<const std::uint8_t*>(salt.data()), salt.size()}, tokens);
+  return chain_step(tokens, {reinterpret_cast<const std::uint8_t*>(salt.data()), salt.size()});
 }
 
 /// Keys of the first `max_pages` full pages of `tokens` (fewer if the prompt is shorter).

@@ -2,7 +2,7 @@
 // The value hicache writes to a tier for one page: a record that lets any reader, on any host,
 // check the page as exactly as a host page, followed by the page's bytes.
 //
-//   magic "hicache1" | space key (16) | page key (16) | parent key (16) | tokens (u32) |
+//   magic "hicache2" | space key (16) | page key (16) | parent key (16) | tokens (u32) |
 //   reserved (u32) | page bytes (u64) | page checksum (u64) | tokens as int32 | page
 //
 // The parent key of page 0 is the salt's digest, so tenants stay apart across hosts too. A
