@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <chrono>
 #include <cstddef>
 #include <cstdlib>
 #include <mutex>
@@ -35,7 +36,16 @@ TEST(PageThreads, LargePassesRunOnSeveralThreadsEachPageOnce) {
   if (std::thread::hardware_concurrency() < 2) GTEST_SKIP() << "one core";
   std::mutex mu;
   std::set<std::thread::id> seen;
-  hicache::detail::for_each_page(kPages, kPageBytes, [&](std::size_t) {
+  // Page 0 (the calling thread's share) waits until a page of the second half (another share)
+  // has started: run on one thread alone, it would wait out the 5 s and the pass would have seen
+  // one thread.
+  std::atomic<bool> second_half{false};
+  hicache::detail::for_each_page(kPages, kPageBytes, [&](std::size_t i) {
+    if (i >= kPages / 2) second_half.store(true);
+    const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+    while (i == 0 && !second_half.load() && std::chrono::steady_clock::now() < until) {
+      std::this_thread::yield();
+    }
     std::lock_guard<std::mutex> g(mu);
     seen.insert(std::this_thread::get_id());
   });

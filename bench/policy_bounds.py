@@ -1,0 +1,222 @@
+"""How much of the optimum eviction could recover at small host budgets: sampled-eviction bounds.
+
+Leaf-first chains of 128-token pages with the replay's hit rule (keep_tokens = 1), as in
+``bench/policy_prototypes.py``, but eviction takes the best of 32 random evictable leaves (never
+the storing request's own pages) by a score, so that scores which are not an order can be tried:
+
+- ``lru``: the least recently used (sampled LRU; ``ghost4+lru`` matches the prototypes' exact
+  ``ghost4+lru`` to within a thousandth of the optimum on the conversation trace);
+- ``next-use``: the page read again farthest in the future, or never (an oracle: what perfect
+  prediction of reuse would gain with this admission);
+- ``hazard``: the page least likely to be read within the next 4 pools' worth of traffic, given
+  how long it has waited, from the distribution of reuse gaps of its class measured on the whole
+  trace beforehand (an oracle on the distribution, not on each page's future). A page's class is
+  its prompt's: how much of the prompt was seen before (quarters), how often its deepest seen
+  page was seen (the conversation's turn, up to 8), and how long ago (log2 buckets).
+
+Admission: ``always``; ``ghost<k>`` (while the pool is full, only pages whose key was in the last
+k pools' worth of prompt keys); ``oracle`` (only pages read again); ``sample<q>`` (ghost4, and
+only a fraction q of conversations, chosen by a hash of the first page a prompt does not share
+with the prompts before it, so that a subset is kept longer).
+
+    python bench/policy_bounds.py data/traces/mooncake_conversation_trace.jsonl --capacity 1M
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import math
+import random
+from collections import Counter, OrderedDict
+from collections.abc import Callable
+
+from hicache import replay
+
+Page = tuple[int, int]
+NEVER = 1 << 62
+SAMPLES = 32
+
+
+class Trace:
+    """The trace's pages per request, each reference's time (pages seen before it) and the time
+    of its page's next reference."""
+
+    def __init__(self, trace: replay.Trace) -> None:
+        self.reqs = [trace.pages(r) for r in range(len(trace))]
+        self.limit = trace.hit_limit(1)
+        self.starts: list[int] = []
+        t = 0
+        for req in self.reqs:
+            self.starts.append(t)
+            t += len(req)
+        self.next_use: list[dict[Page, int]] = [{} for _ in self.reqs]
+        last: dict[Page, int] = {}
+        for r in range(len(self.reqs) - 1, -1, -1):
+            self.next_use[r] = {p: last.get(p, NEVER) for p in self.reqs[r]}
+            for p in self.reqs[r]:
+                last[p] = self.starts[r]
+
+
+def prompt_class(req: list[Page], seen: Counter[Page], last: dict[Page, int], now: int) -> tuple[int, ...]:
+    deepest = -1
+    for i, p in enumerate(req):
+        if p in last:
+            deepest = i
+    if deepest < 0:
+        return (-1,)
+    p = req[deepest]
+    return (
+        min(4 * (deepest + 1) // len(req), 3),
+        min(seen[p], 8),
+        min(int(math.log2((now - last[p]) / 2000 + 1)), 8),
+    )
+
+
+def gap_distributions(tr: Trace) -> dict[tuple[int, ...], list[int]]:
+    """Per prompt class, the sorted gaps from each reference to its page's next one (NEVER)."""
+    seen: Counter[Page] = Counter()
+    last: dict[Page, int] = {}
+    gaps: dict[tuple[int, ...], list[int]] = {}
+    for r, req in enumerate(tr.reqs):
+        now = tr.starts[r]
+        k = prompt_class(req, seen, last, now)
+        for p in req:
+            nxt = tr.next_use[r][p]
+            gaps.setdefault(k, []).append(NEVER if nxt == NEVER else nxt - now)
+        for p in req:
+            seen[p] += 1
+            last[p] = now
+    for g in gaps.values():
+        g.sort()
+    return gaps
+
+
+def simulate(tr: Trace, capacity: int, admission: str, eviction: str, horizon: int, seed: int = 1) -> int:
+    rnd = random.Random(seed)
+    gaps = gap_distributions(tr) if eviction == "hazard" else {}
+    parent: dict[Page, Page | None] = {}
+    children: Counter[Page] = Counter()
+    last_use: dict[Page, int] = {}
+    klass: dict[Page, tuple[int, ...]] = {}
+    next_use: dict[Page, int] = {}
+    leaves: list[Page] = []
+    leaf_at: dict[Page, int] = {}
+
+    def leaf_add(p: Page) -> None:
+        if p not in leaf_at:
+            leaf_at[p] = len(leaves)
+            leaves.append(p)
+
+    def leaf_drop(p: Page) -> None:
+        i = leaf_at.pop(p, None)
+        if i is None:
+            return
+        moved = leaves.pop()
+        if i < len(leaves):
+            leaves[i] = moved
+            leaf_at[moved] = i
+
+    def hazard(p: Page, now: int) -> float:  # chance of no reference within the horizon
+        g = gaps[klass[p]]
+        waited = now - last_use[p]
+        i = bisect.bisect_right(g, waited)
+        if i == len(g):
+            return 2.0
+        return 1.0 - (bisect.bisect_right(g, waited + horizon) - i) / (len(g) - i)
+
+    scores: dict[str, Callable[[Page, int], float]] = {
+        "lru": lambda p, now: now - last_use[p],
+        "next-use": lambda p, now: next_use[p],
+        "hazard": hazard,
+    }
+    score = scores[eviction]
+    ghost: OrderedDict[Page, None] = OrderedDict()
+    pools = float(admission[5:]) if admission.startswith("ghost") else 4.0
+    share = float(admission[6:]) if admission.startswith("sample") else 1.0
+    seen: Counter[Page] = Counter()
+    last_seen: dict[Page, int] = {}
+    left = Counter(p for req in tr.reqs for p in req) if admission == "oracle" else Counter()
+    served = 0
+    for r, req in enumerate(tr.reqs):
+        now = tr.starts[r]
+        next_use.update(tr.next_use[r])
+        h = 0
+        while h < tr.limit[r] and req[h] in parent:
+            h += 1
+        served += h
+        k = prompt_class(req, seen, last_seen, now)
+        own = next((i for i, q in enumerate(req) if seen[q] < seen[req[0]]), len(req))
+        sampled = own == len(req) or random.Random(hash(req[own])).random() < share
+        in_ghost = set()
+        for q in req:
+            if q in ghost:
+                in_ghost.add(q)
+                ghost.move_to_end(q)
+            ghost[q] = None
+            seen[q] += 1
+            last_seen[q] = now
+            klass[q] = k
+            left[q] -= 1
+        while len(ghost) > pools * capacity:
+            ghost.popitem(last=False)
+        own_pages: set[Page] = set()
+        prev: Page | None = None
+        for i, p in enumerate(req):
+            if p not in parent:
+                if admission == "oracle" and left[p] == 0:
+                    break  # never read again
+                if len(parent) >= capacity:
+                    if admission.startswith(("ghost", "sample")) and p not in in_ghost:
+                        break
+                    if admission.startswith("sample") and i >= own and not sampled:
+                        break
+                    picks = [leaves[rnd.randrange(len(leaves))] for _ in range(SAMPLES)] if leaves else []
+                    picks = [x for x in picks if x not in own_pages]
+                    if not picks:
+                        break
+                    victim = max(picks, key=lambda x: score(x, now))
+                    leaf_drop(victim)
+                    up = parent.pop(victim)
+                    del last_use[victim]
+                    if up is not None:
+                        children[up] -= 1
+                        if children[up] == 0:
+                            leaf_add(up)
+                parent[p] = prev
+                if prev is not None:
+                    if children[prev] == 0:
+                        leaf_drop(prev)
+                    children[prev] += 1
+                leaf_add(p)
+            last_use[p] = now
+            own_pages.add(p)
+            prev = p
+    return served * replay.PAGE_TOKENS
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("trace")
+    ap.add_argument("--capacity", default="1M")
+    ap.add_argument(
+        "--policies",
+        default="ghost4+lru,always+next-use,ghost4+next-use,oracle+next-use,always+hazard,ghost4+hazard,"
+        "sample0.5+lru,sample0.25+lru",
+    )
+    args = ap.parse_args()
+    raw = replay.load_trace(args.trace)
+    tr = Trace(raw)
+    print("| capacity | policy (admission+eviction) | hit tokens | of optimum |")
+    print("| --- | --- | --- | --- |")
+    for text in args.capacity.split(","):
+        cap = replay.parse_capacity(text, 1)
+        best = replay.replay_optimum(raw, cap).hit_tokens
+        for policy in args.policies.split(","):
+            admission, eviction = policy.split("+")
+            got = simulate(tr, cap, admission, eviction, horizon=4 * cap)
+            print(f"| {text} | {policy} | {got:,} | {got / best:.3f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
