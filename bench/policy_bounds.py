@@ -17,7 +17,9 @@ the storing request's own pages) by a score, so that scores which are not an ord
 Admission: ``always``; ``ghost<k>`` (while the pool is full, only pages whose key was in the last
 k pools' worth of prompt keys); ``oracle`` (only pages read again); ``sample<q>`` (ghost4, and
 only a fraction q of conversations, chosen by a hash of the first page a prompt does not share
-with the prompts before it, so that a subset is kept longer).
+with the prompts before it, so that a subset is kept longer); ``compare<m>`` (a page in the ghost,
+or one whose chance of a read within the horizon, by its class, beats the victim's by more than
+m: TinyLFU's comparison with the hazard's estimate).
 
     python bench/policy_bounds.py data/traces/mooncake_conversation_trace.jsonl --capacity 1M
 """
@@ -94,7 +96,7 @@ def gap_distributions(tr: Trace) -> dict[tuple[int, ...], list[int]]:
 
 def simulate(tr: Trace, capacity: int, admission: str, eviction: str, horizon: int, seed: int = 1) -> int:
     rnd = random.Random(seed)
-    gaps = gap_distributions(tr) if eviction == "hazard" else {}
+    gaps = gap_distributions(tr) if eviction == "hazard" or admission.startswith("compare") else {}
     parent: dict[Page, Page | None] = {}
     children: Counter[Page] = Counter()
     last_use: dict[Page, int] = {}
@@ -176,6 +178,12 @@ def simulate(tr: Trace, capacity: int, admission: str, eviction: str, horizon: i
                     if not picks:
                         break
                     victim = max(picks, key=lambda x: score(x, now))
+                    if admission.startswith("compare") and p not in in_ghost:
+                        last_use[p] = now  # a new page's chance, as if it had just been read
+                        mine = hazard(p, now)
+                        del last_use[p]
+                        if mine >= hazard(victim, now) - float(admission[7:] or 0):
+                            break
                     leaf_drop(victim)
                     up = parent.pop(victim)
                     del last_use[victim]
@@ -202,7 +210,7 @@ def main() -> None:
     ap.add_argument(
         "--policies",
         default="ghost4+lru,always+next-use,ghost4+next-use,oracle+next-use,always+hazard,ghost4+hazard,"
-        "sample0.5+lru,sample0.25+lru",
+        "sample0.5+lru,sample0.25+lru,compare+hazard,compare0.05+hazard",
     )
     args = ap.parse_args()
     raw = replay.load_trace(args.trace)
