@@ -13,7 +13,8 @@
 #               --cpu-cost mode, bench/small_pages.py (where a small-page call's time goes),
 #               bench/transfer_matmul.py (copies beside a bf16 matmul)
 #   paths       bench/layouts.py with every copy path forced (each path's limit per layout)
-#   bench-lowlevel  the C++ transfer benchmark (copier against cudaMemcpy variants, pinning)
+#   bench-lowlevel  the C++ transfer benchmark (copier against cudaMemcpy variants, pinning) and
+#               what submitting DMA pieces costs (bench/dma_submit.cu)
 #   demo        hicache demo with a Llama-3-8B-shaped model, 8K-26K-token conversations
 #   layerwise   bench/layerwise.py: convoys (a 1K-token load beside a 100K-token one) and the
 #               load-or-recompute decision on a throttled link
@@ -109,6 +110,8 @@ paths)
   ;;
 bench-lowlevel)
   run bench-transfer build/gpu/hicache_bench_transfer --pool-gib ${POOL_GIB:-32} --out "$OUT/bench_transfer.md"
+  run bench-dma-submit build/gpu/hicache_bench_dma_submit
+  cp "$LOGS/bench-dma-submit.log" "$OUT/bench_dma_submit.md"
   ;;
 demo)
   # 2048-token prefill chunks: block-sized ones make the prefill so slow that the load hardly

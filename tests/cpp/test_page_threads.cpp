@@ -77,6 +77,9 @@ TEST(PageThreads, ConcurrentCallersEachRunEveryPageOnce) {
 // exist in the child; that race is too rare to provoke here (40 forks without the check all
 // passed), so this test checks the child's results, not the race.
 TEST(PageThreads, AChildForkedDuringPassesRunsItsOwn) {
+  // The pool exists before the fork: a child forked while another thread is constructing it
+  // (its first pass in the process) would wait forever for that construction to finish.
+  ASSERT_TRUE(one_pass());
   std::atomic<bool> stop{false};
   std::thread busy([&] {
     while (!stop.load()) one_pass();
