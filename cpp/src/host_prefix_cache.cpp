@@ -303,8 +303,10 @@ std::int64_t HostPrefixCache::try_resume(std::string_view request_id,
   const std::int64_t max_pages = std::max<std::int64_t>(0, n_prompt - config_.keep_tokens) / B;
   const std::string_view chain_salt = salt.value_or(std::string_view(config_.salt));
   // Keys are hashed lazily, outside the lock, in doubling installments: a lookup that misses
-  // early does not hash the whole prompt (about 1 us a page). After each installment the walk
-  // starts again under the lock, so nothing found before an unlock is trusted after it.
+  // in its first 16 pages hashes nothing more. Past them, the rest's token blocks are hashed
+  // ahead on the page threads and each installment only finishes its keys (ChainHasher). After
+  // each installment the walk starts again under the lock, so nothing found before an unlock is
+  // trusted after it.
   std::vector<Key> keys;
   detail::ChainHasher hasher(chain_salt, prompt, B, max_pages, config_.key_bits);
   hasher.extend(keys, std::min<std::int64_t>(max_pages, kFirstKeys));
