@@ -5,9 +5,11 @@
 #include <algorithm>
 #include <atomic>
 #include <condition_variable>
+#include <exception>
 #include <mutex>
 #include <system_error>
 #include <thread>
+#include <utility>
 #include <vector>
 
 namespace hicache::detail {
@@ -37,8 +39,13 @@ class Pool {
     }
     wake_.notify_all();
     work();
-    std::unique_lock<std::mutex> g(mu_);
-    done_.wait(g, [&] { return finished_ == shares_; });
+    std::exception_ptr failure;
+    {
+      std::unique_lock<std::mutex> g(mu_);
+      done_.wait(g, [&] { return finished_ == shares_; });
+      failure = std::exchange(failure_, nullptr);
+    }
+    if (failure) std::rethrow_exception(failure);  // the first share that threw, on any thread
     return true;
   }
 
@@ -74,8 +81,14 @@ class Pool {
     for (;;) {
       const std::size_t t = next_.fetch_add(1);
       if (t >= shares_) return;
-      (*job_)(t);
+      std::exception_ptr failure;
+      try {
+        (*job_)(t);
+      } catch (...) {
+        failure = std::current_exception();
+      }
       std::lock_guard<std::mutex> g(mu_);
+      if (failure && !failure_) failure_ = failure;
       if (++finished_ == shares_) done_.notify_all();
     }
   }
@@ -90,7 +103,8 @@ class Pool {
   std::size_t shares_ = 0;
   std::atomic<std::size_t> next_{0};
   std::size_t finished_ = 0;
-  std::size_t active_ = 0;  // helpers inside work()
+  std::size_t active_ = 0;      // helpers inside work()
+  std::exception_ptr failure_;  // the job's first exception
 };
 
 Pool& pool() {

@@ -21,6 +21,8 @@ inline constexpr unsigned kMaxPageThreads = 8;
 
 /// Runs share(t) for t in [0, shares) on the pool's helpers and the calling thread, and returns
 /// once every share ran. Runs them all on the calling thread if the pool is busy or cannot start.
+/// If a share throws, the exception is rethrown here once the shares that started have ended
+/// (a helper never lets it escape its thread).
 void run_shares(std::size_t shares, const std::function<void(std::size_t)>& share);
 
 /// How many threads a pass over n pages of page_bytes each should use (1: the calling thread).

@@ -9,6 +9,7 @@
 #include <cstddef>
 #include <mutex>
 #include <set>
+#include <stdexcept>
 #include <thread>
 #include <vector>
 
@@ -56,6 +57,19 @@ TEST(PageThreads, LargePassesRunOnSeveralThreadsEachPageOnce) {
     seen.insert(std::this_thread::get_id());
   });
   EXPECT_EQ(seen, std::set<std::thread::id>{std::this_thread::get_id()});
+}
+
+TEST(PageThreads, APageThatThrowsReachesTheCallerAndThePoolGoesOn) {
+  // The page that throws is in the second half: another share, on a helper when there are cores.
+  std::atomic<int> ran{0};
+  EXPECT_THROW(hicache::detail::for_each_page(kPages, kPageBytes,
+                                              [&](std::size_t i) {
+                                                if (i == kPages - 1) throw std::runtime_error("x");
+                                                ran.fetch_add(1);
+                                              }),
+               std::runtime_error);
+  EXPECT_EQ(ran.load(), static_cast<int>(kPages) - 1);  // every other page still ran
+  EXPECT_TRUE(one_pass());
 }
 
 TEST(PageThreads, ConcurrentCallersEachRunEveryPageOnce) {
