@@ -80,6 +80,32 @@ TEST(HostPrefixCache, LongHitsAndLateMissesAcrossTheHashingInstallments) {
   cache.forget("x");
 }
 
+// Past its first 16 pages a lookup hashes the rest's token blocks ahead on the page threads
+// (thousands of pages here, in two runs of midstates): hits end exactly where the cache does.
+TEST(HostPrefixCache, LongPromptsHashedAheadHitExactlyWhatIsCached) {
+  constexpr std::int64_t kPages = 9000;
+  FakeEngine eng(2 * kPages + 2, {8});
+  HostPrefixCache cache(eng.segments(), {}, small_config(kPages + 10));
+  const auto base = tokens(static_cast<std::size_t>(kPages * 16 + 1));
+  for (std::int64_t b = 0; b < kPages; ++b) eng.fill(b, static_cast<std::uint32_t>(b * 7 + 1));
+  ASSERT_EQ(cache.store("s", base, ids(0, kPages + 1)), kPages);
+  cache.poll();
+  cache.forget("s");
+  for (std::int64_t pages : {17, 2100, 8192, 8193, 8999}) {
+    SCOPED_TRACE(pages);
+    auto prompt = tokens(static_cast<std::size_t>(pages * 16));
+    for (int i = 0; i < 40; ++i) prompt.push_back(900000 + i);  // then tokens no page holds
+    EXPECT_EQ(cache.try_resume("r", prompt, give(ids(kPages + 1, kPages + 1))), pages * 16);
+    for (std::int64_t b : {std::int64_t{0}, pages / 2, pages - 1}) {
+      ASSERT_EQ(eng.page(kPages + 1 + b), eng.page(b)) << b;
+    }
+    cache.poll();
+    cache.forget("r");
+  }
+  EXPECT_EQ(cache.try_resume("w", base, give(ids(kPages + 1, kPages + 1))), kPages * 16);
+  cache.forget("w");
+}
+
 TEST(HostPrefixCache, KeepTokensCapLeavesTheTailToCompute) {
   FakeEngine eng(8, {64});
   CacheConfig c = small_config(8);
