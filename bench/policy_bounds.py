@@ -26,12 +26,13 @@ m: TinyLFU's comparison with the hazard's estimate).
 
 from __future__ import annotations
 
-import argparse
 import bisect
 import math
 import random
 from collections import Counter, OrderedDict
 from collections.abc import Callable
+
+from policy_prototypes import sweep  # the shared command line (bench/ is on the path when run)
 
 from hicache import replay
 
@@ -204,26 +205,18 @@ def simulate(tr: Trace, capacity: int, admission: str, eviction: str, horizon: i
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("trace")
-    ap.add_argument("--capacity", default="1M")
-    ap.add_argument(
-        "--policies",
-        default="ghost4+lru,always+next-use,ghost4+next-use,oracle+next-use,always+hazard,ghost4+hazard,"
+    traces: dict[int, Trace] = {}  # the page references' next uses, computed once per trace
+
+    def run(raw: replay.Trace, cap: int, admission: str, eviction: str) -> int:
+        tr = traces.setdefault(id(raw), Trace(raw))
+        return simulate(tr, cap, admission, eviction, horizon=4 * cap)
+
+    sweep(
+        __doc__.splitlines()[0],
+        "ghost4+lru,always+next-use,ghost4+next-use,oracle+next-use,always+hazard,ghost4+hazard,"
         "sample0.5+lru,sample0.25+lru,compare+hazard,compare0.05+hazard",
+        run,
     )
-    args = ap.parse_args()
-    raw = replay.load_trace(args.trace)
-    tr = Trace(raw)
-    print("| capacity | policy (admission+eviction) | hit tokens | of optimum |")
-    print("| --- | --- | --- | --- |")
-    for text in args.capacity.split(","):
-        cap = replay.parse_capacity(text, 1)
-        best = replay.replay_optimum(raw, cap).hit_tokens
-        for policy in args.policies.split(","):
-            admission, eviction = policy.split("+")
-            got = simulate(tr, cap, admission, eviction, horizon=4 * cap)
-            print(f"| {text} | {policy} | {got:,} | {got / best:.3f} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -34,13 +33,8 @@ LAYOUTS = [  # (chunk bytes, segments, pages a call, cuda_path)
 ]
 
 
-def best(fn: Callable[[], object], reps: int = 5) -> float:
-    b = float("inf")
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        b = min(b, time.perf_counter() - t0)
-    return b
+def no_wait() -> None:
+    pass
 
 
 def measure(chunk: int, nseg: int, pages: int, path: str) -> tuple[str, list[float]]:
@@ -76,9 +70,9 @@ def measure(chunk: int, nseg: int, pages: int, path: str) -> tuple[str, list[flo
             dev.copy_(pinned, non_blocking=True)
         p.s1.synchronize()
 
-    contiguous = best(h2d)
+    contiguous = L.best_wall(h2d, no_wait, no_wait, 5)
     prompt = p.prompt()
-    hashing = best(lambda: hicache.chain_keys(prompt, L.B))
+    hashing = L.best_wall(lambda: hicache.chain_keys(prompt, L.B), no_wait, no_wait, 5)
     null = hicache.HostPrefixCache(
         p.segs, block_tokens=L.B, capacity_pages=4 * pages, copier="null", admission="always"
     )
@@ -88,7 +82,7 @@ def measure(chunk: int, nseg: int, pages: int, path: str) -> tuple[str, list[flo
         n[0] += 1
         null.store(f"x{n[0]}", p.prompt(), p.sources)
 
-    null_s = best(null_store)
+    null_s = L.best_wall(null_store, no_wait, no_wait, 5)
     return p.path, [contiguous, store_ret, store_done, load_ret, load_done, null_s, hashing]
 
 
