@@ -265,6 +265,14 @@ struct PyTier final : hicache::Tier {
     return nb::cast<std::optional<std::vector<std::int64_t>>>(
         call("poll", nb::detail::str_hash("poll"), batch));
   }
+  // Optional in Python: a Tier without its own wait() is polled.
+  bool wait(std::int64_t batch, std::chrono::microseconds timeout) override {
+    nb::gil_scoped_acquire g;
+    nb::detail::ticket t(nb_trampoline, "wait", nb::detail::str_hash("wait"), false);
+    if (!t.key.is_valid()) return false;
+    return nb::cast<bool>(
+        nb_trampoline.base().attr(t.key)(batch, std::chrono::duration<double>(timeout).count()));
+  }
   void use_buffers(std::span<std::byte> puts, std::span<std::byte> gets) override {
     buffers("use_buffers", nb::detail::str_hash("use_buffers"), puts, gets);
   }
@@ -642,7 +650,7 @@ NB_MODULE(_core, m) {
 
   nb::class_<hicache::Tier, PyTier>(m, "Tier",
                                     "A store shared by caches on several hosts (subclass it: "
-                                    "name, put, get, exists, poll; optionally use_buffers)")
+                                    "name, put, get, exists, poll; optionally wait, use_buffers)")
       .def(nb::init<>())
       .def("name", &hicache::Tier::name)
       .def(
@@ -650,6 +658,12 @@ NB_MODULE(_core, m) {
           [](hicache::Tier& t, std::vector<std::string> names) { return t.exists(names); },
           "names"_a)
       .def("poll", &hicache::Tier::poll, "batch"_a)
+      .def(
+          "wait", [](hicache::Tier&, std::int64_t, double) { return false; }, "batch"_a,
+          "timeout_s"_a,
+          "Block until the batch completed or timeout_s passed and return True; the default "
+          "returns False at once and hicache polls instead. Called without the other calls' "
+          "exclusion: it must only wait.")
       .def(
           "use_buffers",
           [](hicache::Tier&, std::uintptr_t, std::size_t, std::uintptr_t, std::size_t) {}, "puts"_a,

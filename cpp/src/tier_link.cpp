@@ -324,7 +324,12 @@ std::optional<std::vector<std::int64_t>> TierLink::wait(std::int64_t batch,
       std::lock_guard<std::mutex> t(tier_mu_);
       if (auto r = tier_->poll(batch)) return r;
     }
-    if (Clock::now() >= deadline) return std::nullopt;
+    const auto now = Clock::now();
+    if (now >= deadline) return std::nullopt;
+    // Without tier_mu_: another thread may put or fetch meanwhile. At most a second at a time,
+    // so that a backend that returns early by mistake costs a poll, not a hang.
+    const auto left = std::min<Clock::duration>(deadline - now, std::chrono::seconds(1));
+    if (tier_->wait(batch, std::chrono::ceil<std::chrono::microseconds>(left))) continue;
     std::this_thread::sleep_for(pause);
     pause = std::min(pause * 2, std::chrono::microseconds(100));
   }

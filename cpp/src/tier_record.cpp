@@ -6,13 +6,22 @@
 #include <vector>
 
 #include "hicache/hash_chain.hpp"
+#include "page_checksum.hpp"
 
 namespace hicache {
 namespace {
 
-// "hicache2": keys hash the tokens before the previous key ("hicache1" hashed it first).
-constexpr std::array<char, 8> kMagic = {'h', 'i', 'c', 'a', 'c', 'h', 'e', '2'};
+// "hicache3": the page checksum of page_checksum.hpp ("hicache2" had a slower one; "hicache1"
+// hashed the previous key before a page's tokens).
+constexpr std::array<char, 8> kMagic = {'h', 'i', 'c', 'a', 'c', 'h', 'e', '3'};
 constexpr std::size_t kHeader = 8 + 16 * 3 + 4 + 4 + 8 + 8;
+// The record is zero-padded to a multiple of this, so that the page after it starts as aligned
+// as the value does and the copy into or out of a value can use streaming stores.
+constexpr std::size_t kRecordAlign = 64;
+
+std::size_t record_bytes(std::size_t tokens) {
+  return (kHeader + tokens * sizeof(std::int32_t) + kRecordAlign - 1) / kRecordAlign * kRecordAlign;
+}
 
 template <class T>
 void put(std::byte*& p, const T& v) {
@@ -27,8 +36,6 @@ T take(const std::byte*& p) {
   p += sizeof v;
   return v;
 }
-
-std::uint64_t rotl(std::uint64_t x, int r) { return (x << r) | (x >> (64 - r)); }
 
 }  // namespace
 
@@ -55,44 +62,11 @@ std::string tier_value_name(const Key& space, const Key& key) {
 }
 
 std::size_t tier_value_bytes(std::int64_t block_tokens, std::size_t page_bytes) {
-  return kHeader + static_cast<std::size_t>(block_tokens) * sizeof(std::int32_t) + page_bytes;
+  return record_bytes(static_cast<std::size_t>(block_tokens)) + page_bytes;
 }
-
-namespace {
-
-// The checksum's core, copying the bytes to `out` on the way when it is not null (one pass over
-// memory instead of two). Eight independent multiply-rotate lanes (xxHash's round) over 64-byte
-// stripes keep enough in flight to run at memory speed.
-std::uint64_t checksum_copy(std::span<const std::byte> bytes, std::byte* out) {
-  constexpr std::uint64_t kP1 = 0x9E3779B185EBCA87ULL, kP2 = 0xC2B2AE3D27D4EB4FULL;
-  std::uint64_t lane[8];
-  for (int i = 0; i < 8; ++i) lane[i] = kP1 * static_cast<std::uint64_t>(i + 1);
-  const std::byte* p = bytes.data();
-  std::size_t n = bytes.size();
-  for (; n >= 64; n -= 64, p += 64) {
-    std::uint64_t w[8];
-    std::memcpy(w, p, 64);
-    for (int i = 0; i < 8; ++i) lane[i] = rotl(lane[i] + w[i] * kP2, 31) * kP1;
-    if (out != nullptr) {
-      std::memcpy(out, w, 64);
-      out += 64;
-    }
-  }
-  std::uint64_t h = 0;
-  for (int i = 0; i < 8; ++i) h = rotl(h ^ lane[i], 27) * kP1 + kP2;
-  h += bytes.size();
-  if (out != nullptr) std::memcpy(out, p, n);
-  for (; n > 0; --n, ++p) h = rotl(h ^ (static_cast<std::uint64_t>(*p) * kP1), 11) * kP2;
-  h ^= h >> 33;
-  h *= kP2;
-  h ^= h >> 29;
-  return h;
-}
-
-}  // namespace
 
 std::uint64_t page_checksum(std::span<const std::byte> bytes) {
-  return checksum_copy(bytes, nullptr);
+  return detail::checksum_copy(bytes, nullptr);
 }
 
 void encode_tier_value(std::byte* out, const Key& space, const Key& key, const Key& parent,
@@ -109,14 +83,17 @@ void encode_tier_value(std::byte* out, const Key& space, const Key& key, const K
   p += sizeof(std::uint64_t);
   std::memcpy(p, tokens.data(), tokens.size_bytes());
   p += tokens.size_bytes();
-  const std::uint64_t checksum = checksum_copy(page, p);  // copies the page as it sums it
+  const std::size_t pad = record_bytes(tokens.size()) - static_cast<std::size_t>(p - out);
+  std::memset(p, 0, pad);
+  p += pad;
+  const std::uint64_t checksum = detail::checksum_copy(page, p);  // copies the page as it sums it
   std::memcpy(checksum_at, &checksum, sizeof checksum);
 }
 
 TierPage check_tier_record(std::span<const std::byte> value, const Key& space, const Key& key,
                            const Key& parent, std::span<const std::int32_t> tokens,
                            std::size_t page_bytes, std::string& why) {
-  const std::size_t want = kHeader + tokens.size_bytes() + page_bytes;
+  const std::size_t want = record_bytes(tokens.size()) + page_bytes;
   if (value.size() != want) {
     why = "value of " + std::to_string(value.size()) + " bytes, not " + std::to_string(want) +
           " (truncated, or another layout's)";
@@ -152,6 +129,12 @@ TierPage check_tier_record(std::span<const std::byte> value, const Key& space, c
     return {};
   }
   p += tokens.size_bytes();
+  for (const std::byte* end = value.data() + record_bytes(tokens.size()); p < end; ++p) {
+    if (*p != std::byte{0}) {
+      why = "not a hicache record (padding)";
+      return {};
+    }
+  }
   return {{p, page_bytes}, checksum};
 }
 
@@ -160,7 +143,7 @@ constexpr const char* kTorn = "page bytes do not match their checksum (overwritt
 }  // namespace
 
 bool copy_tier_page(const TierPage& page, std::byte* out, std::string& why) {
-  if (checksum_copy(page.bytes, out) == page.checksum) return true;
+  if (detail::checksum_copy(page.bytes, out) == page.checksum) return true;
   why = kTorn;
   return false;
 }

@@ -29,6 +29,7 @@ from __future__ import annotations
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_for
 from typing import Any
 
 from ._core import TIER_FAILED, TIER_MISSING, Tier
@@ -201,6 +202,16 @@ class MooncakeTier(Tier):
 
     def exists(self, names: list[str]) -> int:
         return self._submit(lambda: self._run("batch_is_exist", len(names), names), len(names))
+
+    def wait(self, batch: int, timeout_s: float) -> bool:
+        """Blocks (without the GIL) until the batch is done or ``timeout_s`` passed: hicache
+        polls a tier that cannot, and polling this one thousands of times a second slowed the
+        client's own transfers (see ``hicache.Tier.wait``)."""
+        with self._lock:
+            entry = self._batches.get(batch)
+        if entry is not None:
+            wait_for([entry[0]], timeout=timeout_s)
+        return True
 
     def poll(self, batch: int) -> list[int] | None:
         with self._lock:

@@ -3,11 +3,17 @@
 // the cache.
 #include <gtest/gtest.h>
 
+#include <atomic>
+#include <chrono>
 #include <cstring>
+#include <map>
 #include <memory>
+#include <mutex>
 #include <random>
+#include <thread>
 
 #include "hicache/hicache.hpp"
+#include "page_checksum.hpp"
 #include "test_support.hpp"
 
 namespace {
@@ -245,6 +251,50 @@ TEST(Tier, RecordsRejectEveryFieldThatDiffers) {
   EXPECT_TRUE(hicache::check_tier_value(v, space, key, parent, toks, 32, why).empty());
 }
 
+// The vector form of the page checksum (AVX2 where the CPU has it) gives the portable form's
+// value for every length, so hosts with and without it read each other's values; and the
+// checksum changes with any change a torn or overwritten page makes.
+TEST(Tier, PageChecksumsAgreeOnEveryMachineAndSeeEveryChange) {
+  using hicache::detail::checksum_copy;
+  using hicache::detail::checksum_copy_portable;
+  std::mt19937_64 rng(5);
+  std::vector<std::byte> big((1 << 20) + 4096 + 77);
+  for (auto& b : big) b = std::byte(rng());
+  for (std::size_t n :
+       {0, 1, 63, 64, 65, 1000, 1023, 1024, 1025, 4096 + 64 + 3, 1 << 20, (1 << 20) + 4096 + 77}) {
+    const std::span<const std::byte> in(big.data(), n);
+    std::vector<std::byte> out(n + 1, std::byte{0x5A});
+    const std::uint64_t h = checksum_copy(in, out.data());
+    EXPECT_EQ(h, checksum_copy_portable(in, nullptr)) << n << " bytes";
+    EXPECT_EQ(h, checksum_copy(in, nullptr)) << n << " bytes";
+    EXPECT_EQ(std::memcmp(out.data(), in.data(), n), 0) << n << " bytes";
+    EXPECT_EQ(out[n], std::byte{0x5A}) << "wrote past " << n << " bytes";
+  }
+  // A known answer: a record written on one machine is checked on another.
+  std::vector<std::byte> ramp(4096 + 100);
+  for (std::size_t i = 0; i < ramp.size(); ++i) ramp[i] = std::byte(i * 31 + 7);
+  EXPECT_EQ(checksum_copy(ramp, nullptr), 0x74e983cbcfaf6897ULL);
+  // Every change: a flipped bit anywhere, two stripes or two blocks swapped, a zero page of
+  // another length.
+  const std::span<const std::byte> page(big.data(), 8192);
+  const std::uint64_t h = checksum_copy(page, nullptr);
+  std::vector<std::byte> copy(page.begin(), page.end());
+  for (std::size_t bit = 0; bit < 8192 * 8; bit += 997) {
+    copy[bit / 8] ^= std::byte(1 << (bit % 8));
+    EXPECT_NE(checksum_copy(copy, nullptr), h) << "bit " << bit;
+    copy[bit / 8] ^= std::byte(1 << (bit % 8));
+  }
+  ASSERT_EQ(checksum_copy(copy, nullptr), h);
+  std::swap_ranges(copy.begin(), copy.begin() + 64, copy.begin() + 64);
+  EXPECT_NE(checksum_copy(copy, nullptr), h) << "two stripes swapped";
+  std::swap_ranges(copy.begin(), copy.begin() + 64, copy.begin() + 64);
+  std::swap_ranges(copy.begin(), copy.begin() + 1024, copy.begin() + 1024);
+  EXPECT_NE(checksum_copy(copy, nullptr), h) << "two blocks swapped";
+  const std::vector<std::byte> zeros(8192 + 1024);
+  EXPECT_NE(checksum_copy({zeros.data(), 8192}, nullptr),
+            checksum_copy({zeros.data(), 8192 + 1024}, nullptr));
+}
+
 }  // namespace
 
 namespace {
@@ -349,4 +399,114 @@ TEST(Tier, ALargeRunIsCheckedOnSeveralThreadsAndEndsAtTheFirstBadPage) {
     EXPECT_EQ(b.stats().pages_used, good);
     EXPECT_EQ(b.stats().pages_busy, 0);
   }
+}
+
+namespace {
+
+// A tier whose batches complete `delay` after they start (a network), counting polls; it can
+// block in wait() until a batch is due, or not (then hicache polls it).
+class SlowTier final : public hicache::Tier {
+ public:
+  using Clock = std::chrono::steady_clock;
+  SlowTier(Clock::duration delay, bool blocks) : delay_(delay), blocks_(blocks) {}
+  std::string name() const override { return "slow"; }
+  std::int64_t put(std::span<const std::string> names, std::span<const std::byte* const> values,
+                   std::span<const std::size_t> sizes) override {
+    return started(inner.put(names, values, sizes));
+  }
+  std::int64_t get(std::span<const std::string> names, std::span<std::byte* const> dests,
+                   std::size_t capacity) override {
+    return started(inner.get(names, dests, capacity));
+  }
+  std::int64_t exists(std::span<const std::string> names) override {
+    return started(inner.exists(names));
+  }
+  std::optional<std::vector<std::int64_t>> poll(std::int64_t batch) override {
+    ++polls;
+    if (Clock::now() < due(batch)) return std::nullopt;
+    return inner.poll(batch);
+  }
+  bool wait(std::int64_t batch, std::chrono::microseconds timeout) override {
+    if (!blocks_) return false;
+    ++waits;
+    std::this_thread::sleep_until(std::min(due(batch), Clock::now() + timeout));
+    return true;
+  }
+  MemoryTier inner;
+  std::atomic<int> polls{0}, waits{0};
+
+ private:
+  std::int64_t started(std::int64_t batch) {
+    std::lock_guard<std::mutex> g(mu_);
+    due_[batch] = Clock::now() + delay_;
+    return batch;
+  }
+  Clock::time_point due(std::int64_t batch) {
+    std::lock_guard<std::mutex> g(mu_);
+    return due_.at(batch);
+  }
+  Clock::duration delay_;
+  bool blocks_;
+  std::mutex mu_;
+  std::map<std::int64_t, Clock::time_point> due_;
+};
+
+}  // namespace
+
+// A backend that can block is waited on, not polled: a put and a fetch of 20 ms each cost two
+// polls a batch (before and after the wait) where a backend that cannot block is polled every
+// 100 us. A wait never outlasts the caller's deadline.
+TEST(Tier, ATierThatCanBlockIsWaitedOnInsteadOfPolled) {
+  using namespace std::chrono_literals;
+  const auto prompt = tokens(5 * kB + 3, 100);
+  for (const bool blocks : {true, false}) {
+    SCOPED_TRACE(blocks ? "blocks" : "cannot block (the control)");
+    auto tier = std::make_shared<SlowTier>(20ms, blocks);
+    CacheConfig c;
+    c.block_tokens = kB;
+    c.capacity_pages = 32;
+    c.admission = hicache::Admission::kAlways;
+    c.tier.wait_us = 1'000'000;
+    std::vector<std::uint8_t> kv_a(16 * kBlockBytes), kv_b(16 * kBlockBytes, 0);
+    for (std::size_t i = 0; i < kv_a.size(); ++i) kv_a[i] = static_cast<std::uint8_t>(i * 13 + 1);
+    HostPrefixCache a({{kv_a.data(), 16, kBlockBytes, kBlockBytes}}, hicache::Device{}, c, nullptr,
+                      tier);
+    HostPrefixCache b({{kv_b.data(), 16, kBlockBytes, kBlockBytes}}, hicache::Device{}, c, nullptr,
+                      tier);
+    ASSERT_EQ(a.store("a", prompt, ids(0, 6)), 5);
+    a.flush_tier();
+    ASSERT_EQ(a.stats().tier_pages_written, 5);
+    EXPECT_EQ(b.try_resume("b", prompt,
+                           [](std::int64_t n) {
+                             return std::optional<std::vector<std::int64_t>>(ids(0, n / kB));
+                           }),
+              5 * kB);
+    EXPECT_TRUE(std::equal(kv_a.begin(), kv_a.begin() + 5 * kBlockBytes, kv_b.begin()));
+    if (blocks) {
+      EXPECT_GE(tier->waits, 2);  // one put, one get
+      EXPECT_LE(tier->waits, 3);
+      EXPECT_LE(tier->polls, 5);
+    } else {
+      EXPECT_EQ(tier->waits, 0);
+      EXPECT_GT(tier->polls, 40);
+    }
+  }
+  // The caller's deadline bounds the wait: a fetch of a batch due in 400 ms gives up after 10.
+  auto tier = std::make_shared<SlowTier>(400ms, true);
+  CacheConfig c;
+  c.block_tokens = kB;
+  c.capacity_pages = 32;
+  c.tier.wait_us = 10'000;
+  std::vector<std::uint8_t> kv(16 * kBlockBytes, 0);
+  auto b = std::make_unique<HostPrefixCache>(
+      std::vector<hicache::Segment>{{kv.data(), 16, kBlockBytes, kBlockBytes}}, hicache::Device{},
+      c, nullptr, tier);
+  const auto t0 = std::chrono::steady_clock::now();
+  EXPECT_EQ(b->try_resume("late", prompt,
+                          [](std::int64_t n) {
+                            return std::optional<std::vector<std::int64_t>>(ids(0, n / kB));
+                          }),
+            0);
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, 200ms);
+  EXPECT_EQ(b->stats().tier_fetches_late, 1);
 }

@@ -189,6 +189,45 @@ def test_an_object_deleted_between_exists_and_get_is_a_miss(master) -> None:
     assert (s.tier_pages_missing, s.tier_pages_rejected, s.errors) == (1, 0, 0)
 
 
+class _CountingTier(MooncakeTier):
+    """Counts hicache's polls; `blocks=False` hides wait(), so hicache polls (the control)."""
+
+    def __init__(self, *args, blocks: bool, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.blocks, self.polls, self.waits = blocks, 0, 0
+
+    def wait(self, batch: int, timeout_s: float) -> bool:
+        if not self.blocks:
+            return False
+        self.waits += 1
+        return super().wait(batch, timeout_s)
+
+    def poll(self, batch: int) -> list[int] | None:
+        self.polls += 1
+        return super().poll(batch)
+
+
+@pytest.mark.parametrize("blocks", [True, False], ids=["waited-on", "polled"])
+def test_the_tier_is_waited_on_not_polled(master, blocks: bool) -> None:
+    """Each poll takes the GIL from the client's threads: hicache blocks in wait() (two polls a
+    batch: before and after) instead of polling every 100 us (the control)."""
+    kv_a = _pages(11, 8)
+    tier = _CountingTier(master.rpc, master.metadata, segment_bytes=64 << 20, blocks=blocks)
+    a = hicache.HostPrefixCache(kv_a, block_tokens=B, capacity_pages=64, tier=tier, admission="always")
+    prompt = _prompt(11, 8)
+    assert a.store("a", prompt, list(range(8))) == 8
+    a.poll()
+    a.flush_tier()
+    kv_b = np.zeros_like(kv_a)
+    b = hicache.HostPrefixCache(kv_b, block_tokens=B, capacity_pages=64, tier=tier, tier_wait_ms=5000)
+    assert _resume(b, kv_b, "b", prompt) == 8 * B
+    assert np.array_equal(kv_b, kv_a)
+    if blocks:  # one put, one get
+        assert tier.waits == 2 and tier.polls <= 4, (tier.waits, tier.polls)
+    else:
+        assert tier.waits == 0 and tier.polls > 4, tier.polls
+
+
 class _ExpiringStore:
     """The real client, except that page 2's reads report LEASE_EXPIRED (-707: the master's hold
     on the object for the read ran out before its transfer ended) `times` times."""

@@ -2,8 +2,9 @@
 // The value hicache writes to a tier for one page: a record that lets any reader, on any host,
 // check the page as exactly as a host page, followed by the page's bytes.
 //
-//   magic "hicache2" | space key (16) | page key (16) | parent key (16) | tokens (u32) |
-//   reserved (u32) | page bytes (u64) | page checksum (u64) | tokens as int32 | page
+//   magic "hicache3" | space key (16) | page key (16) | parent key (16) | tokens (u32) |
+//   reserved (u32) | page bytes (u64) | page checksum (u64) | tokens as int32 |
+//   zeros to a multiple of 64 bytes | page
 //
 // The parent key of page 0 is the salt's digest, so tenants stay apart across hosts too. A
 // value is accepted only if every field matches what the reader computed from its own prompt,

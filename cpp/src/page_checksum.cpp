@@ -1,0 +1,168 @@
+#include "page_checksum.hpp"
+
+#include <array>
+#include <cstring>
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <immintrin.h>
+#define HICACHE_CHECKSUM_AVX2 1
+#endif
+
+namespace hicache::detail {
+namespace {
+
+using u64 = std::uint64_t;
+
+constexpr u64 mix(u64 z) {  // splitmix64's finalizer
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
+  return z ^ (z >> 31);
+}
+
+constexpr int kLanes = 8;     // 64-bit lanes of a 64-byte stripe
+constexpr int kStripes = 16;  // stripes between two scrambles (1 KiB)
+constexpr std::size_t kStripe = 64;
+constexpr std::size_t kBlock = kStripe * kStripes;
+constexpr u64 kScramble = 0x9E3779B1ULL;
+constexpr u64 kP1 = 0x9E3779B185EBCA87ULL, kP2 = 0xC2B2AE3D27D4EB4FULL;
+
+// Lane i of stripe s mixes its word with kSecret[s + i]; the scramble uses kSecret[16 + i].
+constexpr std::array<u64, kStripes + kLanes> kSecret = [] {
+  std::array<u64, kStripes + kLanes> s{};
+  for (std::size_t i = 0; i < s.size(); ++i) s[i] = mix(0x9E3779B97F4A7C15ULL * (i + 1));
+  return s;
+}();
+
+// One stripe, one lane at a time: the definition the vector form must match.
+void stripe(u64* acc, const std::byte* p, int s, std::byte* out) {
+  u64 w[kLanes];
+  std::memcpy(w, p, kStripe);
+  if (out != nullptr) std::memcpy(out, w, kStripe);
+  for (int i = 0; i < kLanes; ++i) {
+    const u64 x = w[i] ^ kSecret[static_cast<std::size_t>(s + i)];
+    acc[i] += w[i] + (x & 0xFFFFFFFFULL) * (x >> 32);
+  }
+}
+
+void scramble(u64* acc) {
+  for (int i = 0; i < kLanes; ++i) {
+    u64 a = acc[i];
+    a ^= a >> 47;
+    a ^= kSecret[static_cast<std::size_t>(kStripes + i)];
+    acc[i] = a * kScramble;
+  }
+}
+
+// The stripes after the last whole block (no scramble after them), the bytes after the last
+// stripe, and the lanes folded into one value.
+u64 finish(u64* acc, const std::byte* p, std::size_t n, std::byte* out, std::size_t total) {
+  for (int s = 0; n >= kStripe; ++s, n -= kStripe, p += kStripe) {
+    stripe(acc, p, s, out);
+    if (out != nullptr) out += kStripe;
+  }
+  u64 h = total;
+  for (int i = 0; i < kLanes; ++i) h = (h ^ mix(acc[i])) * kP1;
+  if (out != nullptr) std::memcpy(out, p, n);
+  for (; n > 0; --n, ++p) {
+    h = (h ^ static_cast<u64>(*p)) * kP2;
+    h ^= h >> 29;
+  }
+  return mix(h);
+}
+
+#ifdef HICACHE_CHECKSUM_AVX2
+#define HICACHE_AVX2 __attribute__((target("avx2")))
+
+// Four lanes of one stripe (`d`, mixed with the secret `k`) added to `a`.
+HICACHE_AVX2 inline __m256i accumulate(__m256i a, __m256i d, __m256i k) {
+  const __m256i x = _mm256_xor_si256(d, k);
+  return _mm256_add_epi64(a, _mm256_add_epi64(d, _mm256_mul_epu32(x, _mm256_srli_epi64(x, 32))));
+}
+
+HICACHE_AVX2 inline __m256i scrambled(__m256i a, __m256i k) {
+  const __m256i m = _mm256_set1_epi64x(static_cast<long long>(kScramble));
+  a = _mm256_xor_si256(_mm256_xor_si256(a, _mm256_srli_epi64(a, 47)), k);
+  // a * kScramble mod 2^64 from 32-bit products: lo * m + (hi * m) << 32.
+  return _mm256_add_epi64(_mm256_mul_epu32(a, m),
+                          _mm256_slli_epi64(_mm256_mul_epu32(_mm256_srli_epi64(a, 32), m), 32));
+}
+
+HICACHE_AVX2 void blocks_avx2(u64* acc, const std::byte* p, std::size_t blocks, std::byte* out) {
+  using V = __m256i_u;
+  __m256i a0 = _mm256_loadu_si256(reinterpret_cast<const V*>(acc));
+  __m256i a1 = _mm256_loadu_si256(reinterpret_cast<const V*>(acc + 4));
+  const __m256i s0 = _mm256_loadu_si256(reinterpret_cast<const V*>(kSecret.data() + kStripes));
+  const __m256i s1 = _mm256_loadu_si256(reinterpret_cast<const V*>(kSecret.data() + kStripes + 4));
+  // Streaming stores where the destination allows them: the copy's destination (a host slot the
+  // GPU reads, a value the network reads) is not read by this core again, and a plain store
+  // first reads each line it writes. 64 MiB copied and summed on this project's 2-core machine:
+  // 2.2 ms instead of 3.1.
+  const bool stream = out != nullptr && reinterpret_cast<std::uintptr_t>(out) % 32 == 0;
+  for (std::size_t b = 0; b < blocks; ++b) {
+    for (int s = 0; s < kStripes; ++s, p += kStripe) {
+      const __m256i d0 = _mm256_loadu_si256(reinterpret_cast<const V*>(p));
+      const __m256i d1 = _mm256_loadu_si256(reinterpret_cast<const V*>(p + 32));
+      if (stream) {
+        _mm256_stream_si256(reinterpret_cast<__m256i*>(out), d0);
+        _mm256_stream_si256(reinterpret_cast<__m256i*>(out + 32), d1);
+        out += kStripe;
+      } else if (out != nullptr) {
+        _mm256_storeu_si256(reinterpret_cast<V*>(out), d0);
+        _mm256_storeu_si256(reinterpret_cast<V*>(out + 32), d1);
+        out += kStripe;
+      }
+      const auto* k = reinterpret_cast<const V*>(kSecret.data() + s);
+      a0 = accumulate(a0, d0, _mm256_loadu_si256(k));
+      a1 = accumulate(a1, d1, _mm256_loadu_si256(k + 1));
+    }
+    a0 = scrambled(a0, s0);
+    a1 = scrambled(a1, s1);
+  }
+  if (stream) _mm_sfence();  // the streamed lines are visible before anyone is told
+  _mm256_storeu_si256(reinterpret_cast<V*>(acc), a0);
+  _mm256_storeu_si256(reinterpret_cast<V*>(acc + 4), a1);
+}
+
+bool has_avx2() {
+  static const bool yes = __builtin_cpu_supports("avx2");
+  return yes;
+}
+#endif
+
+void init(u64* acc) {
+  for (int i = 0; i < kLanes; ++i) acc[i] = kSecret[static_cast<std::size_t>(i)];
+}
+
+}  // namespace
+
+std::uint64_t checksum_copy_portable(std::span<const std::byte> bytes, std::byte* out) {
+  u64 acc[kLanes];
+  init(acc);
+  const std::byte* p = bytes.data();
+  const std::size_t blocks = bytes.size() / kBlock;
+  for (std::size_t b = 0; b < blocks; ++b) {
+    for (int s = 0; s < kStripes; ++s, p += kStripe) {
+      stripe(acc, p, s, out);
+      if (out != nullptr) out += kStripe;
+    }
+    scramble(acc);
+  }
+  return finish(acc, p, bytes.size() - blocks * kBlock, out, bytes.size());
+}
+
+std::uint64_t checksum_copy(std::span<const std::byte> bytes, std::byte* out) {
+#ifdef HICACHE_CHECKSUM_AVX2
+  const std::size_t blocks = bytes.size() / kBlock;
+  if (blocks > 0 && has_avx2()) {
+    u64 acc[kLanes];
+    init(acc);
+    blocks_avx2(acc, bytes.data(), blocks, out);
+    const std::size_t done = blocks * kBlock;
+    return finish(acc, bytes.data() + done, bytes.size() - done, out ? out + done : nullptr,
+                  bytes.size());
+  }
+#endif
+  return checksum_copy_portable(bytes, out);
+}
+
+}  // namespace hicache::detail
