@@ -13,6 +13,10 @@ Measured side by side in one run, same pages and sizes:
 
     python bench/tier_mooncake.py --pages 64 --page-kib 1024 --reps 7
 
+``--device cuda`` keeps the engines' KV on the GPU, as an engine's is: a store then copies from
+the GPU into host slots and ``try_resume`` loads into GPU blocks (the time includes waiting for
+that load). The raw client's get of one page is timed too, beside the added latency of a tier hit.
+
 The link on this kind of machine (two clients over loopback TCP on 2 cores) swings by tens of
 percent from one call to the next, so the table gives medians, with the best in parentheses.
 """
@@ -36,6 +40,7 @@ def main() -> None:
     ap.add_argument("--pages", type=int, default=64)
     ap.add_argument("--page-kib", type=int, default=1024)
     ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the engines' KV lives")
     args = ap.parse_args()
     B, page, n = 16, args.page_kib << 10, args.pages
     # Each client lends enough for every value of every repetition (raw and hicache's, twice over):
@@ -46,19 +51,37 @@ def main() -> None:
     rng = np.random.default_rng(0)
     kv_a = rng.integers(0, 256, (n, page), dtype=np.uint8)
     kv_b = np.zeros_like(kv_a)
+    sync = lambda: None  # noqa: E731
+    if args.device == "cuda":
+        import torch
+
+        kv_a, kv_b = torch.from_numpy(kv_a).cuda(), torch.from_numpy(kv_b).cuda()
+        sync = torch.cuda.synchronize
+    same = (lambda x, y: bool((x == y).all())) if args.device == "cuda" else np.array_equal
     # The raw client: buffers registered once, as hicache's are.
     src = rng.integers(0, 256, n * page, dtype=np.uint8)
     dst = np.zeros_like(src)
     ta._store.register_buffer(src.ctypes.data, src.nbytes)
     tb._store.register_buffer(dst.ctypes.data, dst.nbytes)
+    # Fill both clients' segments once and empty them: a value written into segment memory never
+    # touched before pays the kernel's page faults (a fresh master and fresh segments made the
+    # raw client's put median swing from 1.0 to 2.0 GB/s between runs).
+    for w in range(2 * seg // (n * page) - 1):
+        names = [f"warm/{w}/{i}" for i in range(n)]
+        ta._store.batch_upsert_from(names, [src.ctypes.data + i * page for i in range(n)], [page] * n)
+    ta._store.remove_all()
     # Caches live across repetitions, as an engine's do (their buffers are warm after the first).
     a = hicache.HostPrefixCache(kv_a, block_tokens=B, capacity_pages=n, tier=ta, admission="always")
     b = hicache.HostPrefixCache(kv_b, block_tokens=B, capacity_pages=n, tier=tb, tier_wait_ms=60_000)
-    one_kv = np.zeros((1, page), np.uint8)
+    one_kv = kv_b[:1].clone() if args.device == "cuda" else np.zeros((1, page), np.uint8)
     c = hicache.HostPrefixCache(one_kv, block_tokens=B, capacity_pages=4, tier=tb, tier_wait_ms=60_000)
     # Prefetching: the tier's pages into host memory only (no load into the engine's blocks).
     d = hicache.HostPrefixCache(
-        np.zeros_like(kv_b), block_tokens=B, capacity_pages=n, tier=tb, tier_wait_ms=0
+        kv_b.clone() if args.device == "cuda" else np.zeros_like(kv_b),
+        block_tokens=B,
+        capacity_pages=n,
+        tier=tb,
+        tier_wait_ms=0,
     )
     rows = []
     for rep in range(args.reps):
@@ -75,20 +98,26 @@ def main() -> None:
         got = tb._store.batch_get_into(names, [dst.ctypes.data + i * page for i in range(n)], [page] * n)
         raw_get = time.perf_counter() - t
         assert min(got) == page and np.array_equal(src, dst)
+        t = time.perf_counter()
+        assert tb._store.batch_get_into(names[:1], [dst.ctypes.data], [page]) == [page]
+        raw_one = time.perf_counter() - t
 
         prompt = np.arange(n * B + 1, dtype=np.int32) + rep * 1_000_000
         written = a.stats().tier_pages_written
         assert a.store(f"a{rep}", prompt, list(range(n))) == n
+        sync()  # the store's copies out of the engine's blocks (GPU) are done
         t = time.perf_counter()  # from the store's completion: poll() queues its pages
         a.poll()
         a.flush_tier()
         hc_put = time.perf_counter() - t
         assert a.stats().tier_pages_written == written + n, a.stats().tier_last_error
         kv_b[:] = 0
+        sync()
         t = time.perf_counter()
         served = b.try_resume(f"b{rep}", prompt, lambda k: list(range(k // B)))
+        sync()  # the load into the engine's blocks is part of the hit
         hc_get = time.perf_counter() - t
-        assert served == n * B and np.array_equal(kv_a, kv_b), (served, b.stats().tier_last_error)
+        assert served == n * B and same(kv_a, kv_b), (served, b.stats().tier_last_error)
         fetched = d.stats().tier_pages_fetched
         t = time.perf_counter()
         assert d.try_resume(f"d{rep}", prompt, lambda k: list(range(k // B))) == 0
@@ -98,20 +127,34 @@ def main() -> None:
         # Added latency of a tier hit for one page, against a host hit of the same page.
         one = prompt[: B + 1] + 7
         a.store(f"one{rep}", one, [0])
+        sync()
         a.poll()
         a.flush_tier()
         t = time.perf_counter()
         assert c.try_resume(f"c{rep}", one, lambda k: [0]) == B
+        sync()
         tier_hit = time.perf_counter() - t
         t = time.perf_counter()
         assert c.try_resume(f"c2{rep}", one, lambda k: [0]) == B
+        sync()
         host_hit = time.perf_counter() - t
         gb = n * page / 1e9
         rows.append(
-            (gb / raw_put, gb / hc_put, gb / raw_get, gb / hc_get, (tier_hit - host_hit) * 1e6, gb / hc_fetch)
+            (
+                gb / raw_put,
+                gb / hc_put,
+                gb / raw_get,
+                gb / hc_get,
+                (tier_hit - host_hit) * 1e6,
+                gb / hc_fetch,
+                raw_one * 1e6,
+            )
         )
     del a, b, c, d
-    print(f"{n} pages of {args.page_kib} KiB, TCP on loopback, two clients; {args.reps} repetitions")
+    print(
+        f"{n} pages of {args.page_kib} KiB, TCP on loopback, two clients, KV on the {args.device}; "
+        f"{args.reps} repetitions"
+    )
     print("| | raw client GB/s: median (best) | through hicache GB/s: median (best) | ratio |")
     print("| --- | --- | --- | --- |")
 
@@ -126,7 +169,11 @@ def main() -> None:
     row("put", 0, 1)
     row("get: try_resume, into the engine's blocks", 2, 3)
     row("get: prefetch, into host memory", 2, 5)
-    print(f"added latency of a one-page tier hit over a host hit: {min(r[4] for r in rows):.0f} us")
+    print(
+        f"added latency of a one-page tier hit over a host hit: {min(r[4] for r in rows):.0f} us "
+        f"(median {statistics.median(r[4] for r in rows):.0f}); the raw client's get of one page: "
+        f"{min(r[6] for r in rows):.0f} us (median {statistics.median(r[6] for r in rows):.0f})"
+    )
     ta.close()
     tb.close()
 

@@ -15,6 +15,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <new>
 #include <optional>
 #include <span>
 #include <string>
@@ -134,9 +135,18 @@ class TierLink {
   std::mutex tier_mu_;  // one call into the backend at a time
   // Not zeroed: memory is touched only as values pass through (a cache that never fetches
   // costs no get buffer).
-  std::unique_ptr<std::byte[]> put_buffer_;  // the tier thread's
-  std::mutex get_mu_;                        // the get buffer belongs to one fetch at a time
-  std::unique_ptr<std::byte[]> get_buffer_;
+  // Page-aligned, so that values (records padded to 64 bytes, then the page) are aligned and
+  // copies into them can use streaming stores (page_checksum.hpp); new[] gives 16 bytes.
+  struct AlignedFree {
+    void operator()(std::byte* p) const { ::operator delete[](p, std::align_val_t{4096}); }
+  };
+  using Buffer = std::unique_ptr<std::byte[], AlignedFree>;
+  static Buffer buffer(std::size_t bytes) {
+    return Buffer(new (std::align_val_t{4096}) std::byte[bytes]);
+  }
+  Buffer put_buffer_;  // the tier thread's
+  std::mutex get_mu_;  // the get buffer belongs to one fetch at a time
+  Buffer get_buffer_;
   std::vector<std::int64_t> late_gets_;  // gets given up on, maybe still writing the buffer
 
   mutable std::mutex mu_;
@@ -149,7 +159,7 @@ class TierLink {
   std::thread worker_;
 };
 
-/// One fetch in rounds of half the get buffer, two in flight: the next round crosses the
+/// One fetch in rounds of half the get buffer, one in flight: the next round crosses the
 /// network while the caller checks and adopts this one. Holds the get buffer until
 /// destroyed; rounds still in flight then are left to complete (the buffer is not reused before).
 class TierLink::Fetch {

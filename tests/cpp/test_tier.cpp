@@ -424,6 +424,8 @@ class SlowTier final : public hicache::Tier {
   std::optional<std::vector<std::int64_t>> poll(std::int64_t batch) override {
     ++polls;
     if (Clock::now() < due(batch)) return std::nullopt;
+    std::lock_guard<std::mutex> g(mu_);
+    if (due_.erase(batch) == 0) return std::nullopt;
     return inner.poll(batch);
   }
   bool wait(std::int64_t batch, std::chrono::microseconds timeout) override {
@@ -434,16 +436,19 @@ class SlowTier final : public hicache::Tier {
   }
   MemoryTier inner;
   std::atomic<int> polls{0}, waits{0};
+  std::size_t most_in_flight = 0;  // batches started and not yet polled to completion
 
  private:
   std::int64_t started(std::int64_t batch) {
     std::lock_guard<std::mutex> g(mu_);
     due_[batch] = Clock::now() + delay_;
+    most_in_flight = std::max(most_in_flight, due_.size());
     return batch;
   }
   Clock::time_point due(std::int64_t batch) {
     std::lock_guard<std::mutex> g(mu_);
-    return due_.at(batch);
+    auto it = due_.find(batch);
+    return it == due_.end() ? Clock::time_point{} : it->second;
   }
   Clock::duration delay_;
   bool blocks_;
@@ -509,4 +514,37 @@ TEST(Tier, ATierThatCanBlockIsWaitedOnInsteadOfPolled) {
             0);
   EXPECT_LT(std::chrono::steady_clock::now() - t0, 200ms);
   EXPECT_EQ(b->stats().tier_fetches_late, 1);
+}
+
+// Puts and gets go in rounds with one batch in flight at a time (the next round is encoded, or
+// the last one checked, meanwhile): Mooncake's client moves two batches at once slower than one
+// after the other. 7 pages in rounds of 3 + 2 + 2, each batch taking 5 ms.
+TEST(Tier, OneRoundIsInFlightAtATime) {
+  using namespace std::chrono_literals;
+  auto tier = std::make_shared<SlowTier>(5ms, true);
+  CacheConfig c;
+  c.block_tokens = kB;
+  c.capacity_pages = 16;
+  c.admission = hicache::Admission::kAlways;
+  c.tier.buffer_bytes = 2 * 3 * kBlockBytes;
+  c.tier.wait_us = 1'000'000;
+  std::vector<std::uint8_t> kv_a(16 * kBlockBytes), kv_b(16 * kBlockBytes, 0);
+  for (std::size_t i = 0; i < kv_a.size(); ++i) kv_a[i] = static_cast<std::uint8_t>(i * 7 + 3);
+  HostPrefixCache a({{kv_a.data(), 16, kBlockBytes, kBlockBytes}}, hicache::Device{}, c, nullptr,
+                    tier);
+  const auto prompt = tokens(7 * kB + 1, 500);
+  ASSERT_EQ(a.store("a", prompt, ids(0, 8)), 7);
+  a.flush_tier();
+  EXPECT_EQ(a.stats().tier_pages_written, 7);
+  EXPECT_EQ(tier->most_in_flight, 1u) << "puts";
+  HostPrefixCache b({{kv_b.data(), 16, kBlockBytes, kBlockBytes}}, hicache::Device{}, c, nullptr,
+                    tier);
+  EXPECT_EQ(b.try_resume("b", prompt,
+                         [](std::int64_t n) {
+                           return std::optional<std::vector<std::int64_t>>(ids(0, n / kB));
+                         }),
+            7 * kB);
+  EXPECT_TRUE(std::equal(kv_a.begin(), kv_a.begin() + 7 * kBlockBytes, kv_b.begin()));
+  EXPECT_EQ(b.stats().tier_pages_fetched, 7);
+  EXPECT_EQ(tier->most_in_flight, 1u) << "gets";
 }

@@ -73,7 +73,8 @@ struct TierOptions {
   /// Pages waiting to be written to the tier; a store beyond that is dropped (counted).
   std::int64_t queue_pages = 4096;
   /// Bytes of each of the two buffers values go through (use_buffers): puts and gets move half
-  /// of it at a time (at least one page), two halves in flight.
+  /// of it at a time (at least one page): one half crosses the network while the other is
+  /// encoded or checked.
   std::int64_t buffer_bytes = std::int64_t{128} << 20;
   /// Names the model and its KV format in every value's name and record, so caches of other
   /// models or versions sharing the store never read each other's pages. Give each model
