@@ -66,8 +66,8 @@ class MooncakeTier(Tier):
         segment_bytes: host memory this client lends to the store.
         protocol: ``"tcp"`` (any network) or ``"rdma"`` (with ``rdma_devices``).
         reconnect_s: the least time between two reconnection attempts.
-        threads: calls to the store run on this many threads of the tier's own, so the rounds
-            hicache keeps in flight (two each way) cross the network at once.
+        threads: calls to the store run on this many threads of the tier's own, so that a put
+            and a get (a cache keeps at most one of each in flight) cross the network at once.
 
     Raises:
         TierUnavailableError: the client is not installed, or it cannot reach the store.
