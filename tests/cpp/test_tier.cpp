@@ -408,7 +408,8 @@ namespace {
 class SlowTier final : public hicache::Tier {
  public:
   using Clock = std::chrono::steady_clock;
-  SlowTier(Clock::duration delay, bool blocks) : delay_(delay), blocks_(blocks) {}
+  SlowTier(Clock::duration delay, bool blocks, bool lies = false)
+      : delay_(delay), blocks_(blocks), lies_(lies) {}
   std::string name() const override { return "slow"; }
   std::int64_t put(std::span<const std::string> names, std::span<const std::byte* const> values,
                    std::span<const std::size_t> sizes) override {
@@ -431,7 +432,7 @@ class SlowTier final : public hicache::Tier {
   bool wait(std::int64_t batch, std::chrono::microseconds timeout) override {
     if (!blocks_) return false;
     ++waits;
-    std::this_thread::sleep_until(std::min(due(batch), Clock::now() + timeout));
+    if (!lies_) std::this_thread::sleep_until(std::min(due(batch), Clock::now() + timeout));
     return true;
   }
   MemoryTier inner;
@@ -452,6 +453,7 @@ class SlowTier final : public hicache::Tier {
   }
   Clock::duration delay_;
   bool blocks_;
+  bool lies_;  // wait() returns at once, saying it blocked
   std::mutex mu_;
   std::map<std::int64_t, Clock::time_point> due_;
 };
@@ -495,6 +497,24 @@ TEST(Tier, ATierThatCanBlockIsWaitedOnInsteadOfPolled) {
       EXPECT_EQ(tier->waits, 0);
       EXPECT_GT(tier->polls, 40);
     }
+  }
+  // A backend whose wait() returns at once while saying it blocked is polled with pauses (at
+  // most two polls per pause of up to 100 us), not spun on: a 20 ms put polled 110731 times
+  // without the pauses.
+  {
+    auto liar = std::make_shared<SlowTier>(20ms, true, true);
+    CacheConfig c;
+    c.block_tokens = kB;
+    c.capacity_pages = 32;
+    c.admission = hicache::Admission::kAlways;
+    std::vector<std::uint8_t> kv(16 * kBlockBytes, 1);
+    HostPrefixCache a({{kv.data(), 16, kBlockBytes, kBlockBytes}}, hicache::Device{}, c, nullptr,
+                      liar);
+    ASSERT_EQ(a.store("a", prompt, ids(0, 6)), 5);
+    a.flush_tier();
+    EXPECT_EQ(a.stats().tier_pages_written, 5);
+    EXPECT_LT(liar->polls, 1000);
+    EXPECT_GT(liar->polls, 40);
   }
   // The caller's deadline bounds the wait: a fetch of a batch due in 400 ms gives up after 10.
   auto tier = std::make_shared<SlowTier>(400ms, true);
