@@ -230,8 +230,9 @@ TierLink::Fetch::~Fetch() {
 }
 
 void TierLink::Fetch::submit() {
-  // One round in flight (kRing). Its buffer is not the one the run handed out last, which the
-  // caller may still be reading: that run's buffer is reused only by the round after.
+  // One round in flight (kRing). Rounds alternate buffers: the one submitted while next()
+  // hands out a run never writes that run's buffer (the caller reads it until it asks for the
+  // next run); it reuses the buffer of the run before, which the caller is done with.
   if (!over_ && rounds_.empty() && next_ < keys_.size()) {
     const std::size_t n = std::min(plan_.size(ring_), keys_.size() - next_);
     const std::size_t ring = ring_++ % kRing;
