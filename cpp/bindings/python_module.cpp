@@ -273,20 +273,19 @@ struct PyTier final : hicache::Tier {
     return nb::cast<bool>(
         nb_trampoline.base().attr(t.key)(batch, std::chrono::duration<double>(timeout).count()));
   }
-  void use_buffers(std::span<std::byte> puts, std::span<std::byte> gets) override {
-    buffers("use_buffers", nb::detail::str_hash("use_buffers"), puts, gets);
+  void use_memory(std::span<std::byte> region) override {
+    memory("use_memory", nb::detail::str_hash("use_memory"), region);
   }
-  void release_buffers(std::span<std::byte> puts, std::span<std::byte> gets) override {
-    buffers("release_buffers", nb::detail::str_hash("release_buffers"), puts, gets);
+  void release_memory(std::span<std::byte> region) override {
+    memory("release_memory", nb::detail::str_hash("release_memory"), region);
   }
-  // The buffer hooks are optional in Python: the base class's own does nothing.
-  void buffers(const char* name, std::uint64_t hash, std::span<std::byte> puts,
-               std::span<std::byte> gets) {
+  // The memory hooks are optional in Python: the base class's own does nothing.
+  void memory(const char* name, std::uint64_t hash, std::span<std::byte> region) {
     nb::gil_scoped_acquire g;
     nb::detail::ticket t(nb_trampoline, name, hash, false);
     if (!t.key.is_valid()) return;
-    nb_trampoline.base().attr(t.key)(reinterpret_cast<std::uintptr_t>(puts.data()), puts.size(),
-                                     reinterpret_cast<std::uintptr_t>(gets.data()), gets.size());
+    nb_trampoline.base().attr(t.key)(reinterpret_cast<std::uintptr_t>(region.data()),
+                                     region.size());
   }
 };
 
@@ -650,7 +649,7 @@ NB_MODULE(_core, m) {
 
   nb::class_<hicache::Tier, PyTier>(m, "Tier",
                                     "A store shared by caches on several hosts (subclass it: "
-                                    "name, put, get, exists, poll; optionally wait, use_buffers)")
+                                    "name, put, get, exists, poll; optionally wait, use_memory)")
       .def(nb::init<>())
       .def("name", &hicache::Tier::name)
       .def(
@@ -665,16 +664,14 @@ NB_MODULE(_core, m) {
           "returns False at once and hicache polls instead. Called without the other calls' "
           "exclusion: it must only wait.")
       .def(
-          "use_buffers",
-          [](hicache::Tier&, std::uintptr_t, std::size_t, std::uintptr_t, std::size_t) {}, "puts"_a,
-          "put_bytes"_a, "gets"_a, "get_bytes"_a,
-          "The buffers every value passes through, for the cache's life (register them for "
-          "zero-copy transfers); does nothing unless overridden.")
+          "use_memory", [](hicache::Tier&, std::uintptr_t, std::size_t) {}, "addr"_a, "size"_a,
+          "A region of host memory values are put from (the host pool, chunk by chunk: values "
+          "go to the tier straight from host slots) or got into (the fetch buffer), before any "
+          "put or get uses it: register it for zero-copy transfers. Does nothing unless "
+          "overridden.")
       .def(
-          "release_buffers",
-          [](hicache::Tier&, std::uintptr_t, std::size_t, std::uintptr_t, std::size_t) {}, "puts"_a,
-          "put_bytes"_a, "gets"_a, "get_bytes"_a,
-          "The cache is done with the buffers use_buffers named (unregister them).");
+          "release_memory", [](hicache::Tier&, std::uintptr_t, std::size_t) {}, "addr"_a, "size"_a,
+          "The cache is done with a region use_memory named (unregister it).");
   m.attr("TIER_MISSING") = hicache::Tier::kMissing;
   m.attr("TIER_FAILED") = hicache::Tier::kFailed;
 

@@ -38,14 +38,90 @@ bool same_tokens(const std::vector<std::int32_t>& a, std::span<const std::int32_
 
 }  // namespace
 
+struct HostPrefixCache::TierSide {
+  // Host slots for pages [from, from + n) of a fetch (TierLink::Host::reserve). Lock held.
+  static std::vector<TierLink::Slot> reserve(HostPrefixCache& c, const TierLink::FetchSpec& spec,
+                                             std::size_t from, std::size_t n,
+                                             std::span<const TierLink::Slot> pending) {
+    const auto B = static_cast<std::size_t>(c.config_.block_tokens);
+    const auto same = [&](std::size_t i, const Entry* e) {
+      return same_tokens(e->tokens, spec.prompt.subspan(i * B, B));
+    };
+    const std::uint64_t root = c.intern_root(spec.salt);
+    // The chain before `from`: the cached prefix (walked again: the lock was released since),
+    // then the previous round's pages, pending and pinned until that round is published.
+    StoreWalk w;
+    const std::size_t cached = from - pending.size();
+    walk_cached(c.pages_, spec.keys, cached, root, w.chain, same);
+    if (w.chain.size() < cached) return {};  // the pages before them were evicted meanwhile
+    for (const TierLink::Slot& p : pending) w.chain.push_back(p.entry);
+    bool unpinned = false;
+    walk_store(c.pages_, *c.admit_all_, c.next_serial_, spec.keys.first(from + n), root,
+               StaleKeys::kReplace, w, same, [&](std::size_t i, Entry* e) {
+                 if (c.host_slot(c.mover_.pool(), e->slot, unpinned) == nullptr) return false;
+                 const auto toks = spec.prompt.subspan(i * B, B);
+                 e->tokens.assign(toks.begin(), toks.end());
+                 return true;
+               });
+    // Fresh entries (pending, pinned by the walk) get values; pages host memory had are pinned
+    // here so that they outlive the round.
+    std::vector<TierLink::Slot> round;
+    std::size_t f = 0;
+    for (std::size_t i = from; i < w.chain.size(); ++i) {
+      Entry* e = w.chain[i];
+      const bool fresh = f < w.fresh.size() && w.fresh[f] == e;
+      if (fresh) {
+        ++f;
+      } else {
+        c.pages_.pin(e);
+      }
+      round.push_back({e, fresh ? c.mover_.pool().slot(e->slot) : nullptr, fresh});
+    }
+    return round;
+  }
+
+  // A round's checked pages published, the rest dropped (TierLink::Host::publish). Lock held.
+  static std::size_t publish(HostPrefixCache& c, std::span<const TierLink::Slot> round,
+                             std::size_t good) {
+    // The first `good` fetched pages were checked where they landed: ready now. From the first
+    // that failed on, fetched entries are erased, deepest first, so nothing unchecked is served.
+    std::size_t kept = round.size(), fetched = 0;
+    for (std::size_t j = 0; j < round.size(); ++j) {
+      if (!round[j].fetch) continue;
+      if (fetched++ == good) kept = j;
+    }
+    for (std::size_t j = round.size(); j-- > 0;) {
+      Entry* e = round[j].entry;
+      c.pages_.unpin(e);
+      if (!round[j].fetch) continue;
+      if (j < kept) {
+        e->ready = true;
+      } else {
+        c.pages_.erase(e);
+      }
+    }
+    std::vector<Entry*> chain;
+    for (std::size_t j = 0; j < kept; ++j) chain.push_back(round[j].entry);
+    c.pages_.touch_chain(chain);
+    c.stats_.tier_pages_fetched += static_cast<std::int64_t>(std::min(good, fetched));
+    return kept;
+  }
+};
+
 HostPrefixCache::HostPrefixCache(std::vector<Segment> segments, Device device, CacheConfig config,
                                  std::shared_ptr<Copier> copier, std::shared_ptr<Tier> tier)
     : config_(config.normalized()),
       state_parts_(config_.state_part_bytes()),
+      tier_gate_(tier ? std::make_shared<TierGate>(std::move(tier)) : nullptr),
       // Pinning is slow: pinned pools are pinned at start-up, or in the background from
-      // start-up on, off the engine's thread (see CacheConfig::pin_upfront).
+      // start-up on, off the engine's thread (see CacheConfig::pin_upfront). With a tier, each
+      // slot has room for its page's record, and the tier is told about the pool's memory.
       mover_(std::move(segments), device, config_.capacity_pages, std::move(copier), nullptr,
-             config_.pool_chunk_bytes, !config_.pin_upfront),
+             config_.pool_chunk_bytes, !config_.pin_upfront,
+             tier_gate_ ? tier_record_bytes(config_.block_tokens) : 0,
+             [gate = tier_gate_](std::shared_ptr<HostAllocator> memory) {
+               return gate ? tier_memory(std::move(memory), gate) : memory;
+             }),
       catalog_({config_.capacity_pages, config_.eviction, config_.admission}),
       states_(config_.state_bytes > 0 ? config_.capacity_states : 0) {
   if (!config_.layer_segments.empty()) {
@@ -65,22 +141,27 @@ HostPrefixCache::HostPrefixCache(std::vector<Segment> segments, Device device, C
                                              config_.capacity_states, config_.pool_chunk_bytes,
                                              alloc, growth);
   }
-  if (tier) {
+  if (tier_gate_) {
     admit_all_ = make_admission_policy(Admission::kAlways, config_.capacity_pages);
     tier_space_ =
         tier_space(config_.tier.space, mover_.layout(), config_.block_tokens, config_.key_bits);
-    link_ = std::make_unique<TierLink>(
-        std::move(tier), config_.tier, tier_space_, mover_.layout().page_bytes(),
-        config_.block_tokens,
-        [this](const std::vector<Entry*>& entries) {
-          std::lock_guard<std::mutex> g(mu_);
-          for (Entry* e : entries) pages_.unpin(e);
-        },
-        [this](const TierLink::FetchJob& job, std::size_t from, std::span<const TierPage> pages) {
-          std::lock_guard<std::mutex> g(mu_);
-          return static_cast<std::size_t>(
-              adopt_fetched(job.keys, job.prompt, job.salt, from, pages));
-        });
+    TierLink::Host host;
+    host.release = [this](const std::vector<Entry*>& entries) {
+      std::lock_guard<std::mutex> g(mu_);
+      for (Entry* e : entries) pages_.unpin(e);
+    };
+    host.reserve = [this](const TierLink::FetchSpec& spec, std::size_t from, std::size_t n,
+                          std::span<const TierLink::Slot> pending) {
+      std::lock_guard<std::mutex> g(mu_);
+      return TierSide::reserve(*this, spec, from, n, pending);
+    };
+    host.publish = [this](std::span<const TierLink::Slot> round, std::size_t good) {
+      std::lock_guard<std::mutex> g(mu_);
+      return TierSide::publish(*this, round, good);
+    };
+    link_ = std::make_unique<TierLink>(tier_gate_, config_.tier, tier_space_,
+                                       mover_.layout().page_bytes(), config_.block_tokens,
+                                       std::move(host));
   }
 }
 
@@ -183,66 +264,13 @@ void HostPrefixCache::write_to_tier(Transfer& t) {
   puts.reserve(t.pages.size());
   for (std::size_t j = 0; j < t.pages.size(); ++j) {
     Entry* e = t.pages[j];
-    pages_.pin(e);  // until its bytes are copied out
-    puts.push_back({e, e->key, t.parents[j], e->tokens, mover_.pool().slot(e->slot)});
+    pages_.pin(e);  // until its value was put
+    puts.push_back({e, e->key, t.parents[j], e->tokens, mover_.pool().slot(e->slot),
+                    t.checksums.empty() ? std::nullopt : t.checksums[j]});
   }
   if (!link_->offer(puts)) {
     for (Entry* e : t.pages) pages_.unpin(e);
   }
-}
-
-std::int64_t HostPrefixCache::adopt_fetched(std::span<const Key> keys,
-                                            std::span<const std::int32_t> prompt,
-                                            std::string_view salt, std::size_t from,
-                                            std::span<const TierPage> pages) {
-  const auto B = static_cast<std::size_t>(config_.block_tokens);
-  const auto tokens_of = [&](std::size_t i) { return prompt.subspan(i * B, B); };
-  const auto same = [&](std::size_t i, const Entry* e) {
-    return same_tokens(e->tokens, tokens_of(i));
-  };
-  const std::uint64_t root = intern_root(salt);
-  StoreWalk w;
-  walk_cached(pages_, keys, from, root, w.chain, same);
-  if (w.chain.size() < from) return 0;  // the pages before them were evicted meanwhile
-  bool unpinned = false;
-  const std::size_t before = w.chain.size();
-  std::vector<std::byte*> slots;  // of w.fresh, in order
-  walk_store(pages_, *admit_all_, next_serial_, keys.first(from + pages.size()), root,
-             StaleKeys::kReplace, w, same, [&](std::size_t i, Entry* e) {
-               std::byte* host = host_slot(mover_.pool(), e->slot, unpinned);
-               if (host == nullptr) return false;
-               slots.push_back(host);
-               const auto toks = tokens_of(i);
-               e->tokens.assign(toks.begin(), toks.end());
-               return true;
-             });
-  // Each page is checked as it is copied (on several threads for a large run); the entries
-  // from the first page that fails on are erased, deepest first, before anything is published,
-  // so nothing unchecked is ever served. Fresh entries are the chain's tail.
-  const std::size_t first_fresh = w.chain.size() - w.fresh.size();
-  std::vector<char> ok(slots.size(), 0);
-  std::vector<std::string> why(slots.size());
-  detail::for_each_page(slots.size(), mover_.layout().page_bytes(), [&](std::size_t j) {
-    ok[j] = copy_tier_page(pages[first_fresh + j - from], slots[j], why[j]) ? 1 : 0;
-  });
-  const auto bad = static_cast<std::size_t>(std::find(ok.begin(), ok.end(), 0) - ok.begin());
-  if (bad < slots.size()) {
-    for (std::size_t j = w.fresh.size(); j-- > bad;) {
-      pages_.unpin(w.fresh[j]);
-      pages_.erase(w.fresh[j]);
-    }
-    w.chain.resize(first_fresh + bad);
-    w.fresh.resize(bad);
-    link_->note_rejected(why[bad]);
-  }
-  for (Entry* e : w.fresh) {  // copied by this thread: complete now
-    e->ready = true;
-    pages_.unpin(e);
-  }
-  pages_.touch_chain(w.chain);
-  stats_.tier_pages_fetched += static_cast<std::int64_t>(w.fresh.size());
-  // Pages now in host memory, whether fetched or stored meanwhile by another request.
-  return static_cast<std::int64_t>(w.chain.size() - before);
 }
 
 std::int64_t HostPrefixCache::retire_completed() {
@@ -353,12 +381,7 @@ std::int64_t HostPrefixCache::try_resume(std::string_view request_id,
       hasher.extend(keys, max_pages);
       const auto deadline =
           TierLink::Clock::now() + std::chrono::microseconds(config_.tier.wait_us);
-      link_->fetch_into(
-          keys, prompt, chain_salt, from_tier, deadline,
-          [&](std::size_t from, std::span<const TierPage> pages) {
-            const std::lock_guard<std::unique_lock<std::mutex>> g(lock);
-            return static_cast<std::size_t>(adopt_fetched(keys, prompt, chain_salt, from, pages));
-          });
+      link_->fetch_into({keys, prompt, chain_salt}, from_tier, deadline);
       lock.lock();
       if (disabled_) return 0;
       matched.clear();  // the lock was released: walk again
@@ -587,6 +610,10 @@ std::int64_t HostPrefixCache::store(std::string_view request_id,
   const std::vector<Entry*>& chain = w.chain;
 
   const auto new_pages = static_cast<std::int64_t>(moves.size());
+  if (link_) {  // the copier may sum the pages as it copies them (tier records need the sums)
+    t.checksums.resize(moves.size());
+    for (std::size_t i = 0; i < moves.size(); ++i) moves[i].checksum = &t.checksums[i];
+  }
   if (!moves.empty()) {
     bool failed = false;
     try {

@@ -23,6 +23,7 @@ constexpr int kLanes = 8;     // 64-bit lanes of a 64-byte stripe
 constexpr int kStripes = 16;  // stripes between two scrambles (1 KiB)
 constexpr std::size_t kStripe = 64;
 constexpr std::size_t kBlock = kStripe * kStripes;
+static_assert(kBlock == ChecksumCopy::kBlock);
 constexpr u64 kScramble = 0x9E3779B1ULL;
 constexpr u64 kP1 = 0x9E3779B185EBCA87ULL, kP2 = 0xC2B2AE3D27D4EB4FULL;
 
@@ -140,21 +141,33 @@ void blocks_portable(u64* acc, const std::byte* p, std::size_t blocks, std::byte
   }
 }
 
-u64 checksum(std::span<const std::byte> bytes, std::byte* out, bool vector) {
-  u64 acc[kLanes];
-  for (int i = 0; i < kLanes; ++i) acc[i] = kSecret[static_cast<std::size_t>(i)];
-  const std::size_t blocks = bytes.size() / kBlock;
+void blocks(u64* acc, const std::byte* p, std::size_t n, std::byte* out, bool vector) {
 #ifdef HICACHE_CHECKSUM_AVX2
   if (vector) {
-    blocks_avx2(acc, bytes.data(), blocks, out);
+    blocks_avx2(acc, p, n, out);
   } else {
-    blocks_portable(acc, bytes.data(), blocks, out);
+    blocks_portable(acc, p, n, out);
   }
 #else
   (void)vector;
-  blocks_portable(acc, bytes.data(), blocks, out);
+  blocks_portable(acc, p, n, out);
 #endif
-  const std::size_t done = blocks * kBlock;
+}
+
+bool use_vector() {
+#ifdef HICACHE_CHECKSUM_AVX2
+  return has_avx2();
+#else
+  return false;
+#endif
+}
+
+u64 checksum(std::span<const std::byte> bytes, std::byte* out, bool vector) {
+  u64 acc[kLanes];
+  for (int i = 0; i < kLanes; ++i) acc[i] = kSecret[static_cast<std::size_t>(i)];
+  const std::size_t n = bytes.size() / kBlock;
+  blocks(acc, bytes.data(), n, out, vector);
+  const std::size_t done = n * kBlock;
   return finish(acc, bytes.data() + done, bytes.size() - done, out ? out + done : nullptr,
                 bytes.size());
 }
@@ -166,11 +179,28 @@ std::uint64_t checksum_copy_portable(std::span<const std::byte> bytes, std::byte
 }
 
 std::uint64_t checksum_copy(std::span<const std::byte> bytes, std::byte* out) {
-#ifdef HICACHE_CHECKSUM_AVX2
-  return checksum(bytes, out, has_avx2());
-#else
-  return checksum(bytes, out, false);
-#endif
+  return checksum(bytes, out, use_vector());
+}
+
+ChecksumCopy::ChecksumCopy() {
+  for (int i = 0; i < kLanes; ++i) acc_[i] = kSecret[static_cast<std::size_t>(i)];
+}
+
+bool ChecksumCopy::add(std::span<const std::byte> bytes, std::byte* out) {
+  if (total_ % kBlock != 0) return false;  // a piece after one that was not whole blocks
+  const std::size_t n = bytes.size() / kBlock;
+  blocks(acc_, bytes.data(), n, out, use_vector());
+  const std::size_t done = n * kBlock;
+  total_ += bytes.size();
+  if (done < bytes.size()) {  // the page's last piece: its tail is summed by value()
+    tail_ = bytes.subspan(done);
+    if (out != nullptr) std::memcpy(out + done, tail_.data(), tail_.size());
+  }
+  return true;
+}
+
+std::uint64_t ChecksumCopy::value() {
+  return finish(acc_, tail_.data(), tail_.size(), nullptr, total_);
 }
 
 }  // namespace hicache::detail

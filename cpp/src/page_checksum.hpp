@@ -20,6 +20,24 @@ namespace hicache::detail {
 /// The checksum of `bytes`, copying them to `out` on the way when it is not null.
 std::uint64_t checksum_copy(std::span<const std::byte> bytes, std::byte* out);
 
+/// The same checksum of a page that arrives in pieces (a layer-major page's segments), copying
+/// each piece on the way as checksum_copy does. Every piece but the last must be whole kilobytes
+/// (the checksum's blocks); add() returns false, copying nothing, for a piece after one that was
+/// not (the caller then sums the page once it is whole). The last piece must stay readable until
+/// value().
+class ChecksumCopy {
+ public:
+  static constexpr std::size_t kBlock = 1024;
+  ChecksumCopy();
+  bool add(std::span<const std::byte> bytes, std::byte* out);
+  std::uint64_t value();
+
+ private:
+  std::uint64_t acc_[8];
+  std::size_t total_ = 0;
+  std::span<const std::byte> tail_;
+};
+
 /// The portable form (tests compare it with whichever form checksum_copy uses here).
 std::uint64_t checksum_copy_portable(std::span<const std::byte> bytes, std::byte* out);
 

@@ -78,9 +78,12 @@ std::shared_ptr<HostAllocator> make_shared_memory_allocator(const std::string& n
   return std::make_shared<SharedMemoryAllocator>(name, create);
 }
 
-SlotMover::SlotMover(std::vector<Segment> segments, Device device, std::int64_t num_slots,
-                     std::shared_ptr<Copier> copier, std::shared_ptr<HostAllocator> memory,
-                     std::size_t chunk_bytes, bool pin_in_background)
+SlotMover::SlotMover(
+    std::vector<Segment> segments, Device device, std::int64_t num_slots,
+    std::shared_ptr<Copier> copier, std::shared_ptr<HostAllocator> memory, std::size_t chunk_bytes,
+    bool pin_in_background, std::size_t slot_extra_bytes,
+    const std::function<std::shared_ptr<HostAllocator>(std::shared_ptr<HostAllocator>)>&
+        wrap_memory)
     : layout_(std::move(segments), device),
       copier_(copier ? std::move(copier) : default_copier(device)) {
   if (!copier_->supports(device)) {
@@ -95,10 +98,11 @@ SlotMover::SlotMover(std::vector<Segment> segments, Device device, std::int64_t 
   } else if (device.kind == DeviceKind::kCuda) {
     memory = make_cuda_registered_allocator(std::move(memory));  // DMA needs pinned memory
   }
+  if (wrap_memory) memory = wrap_memory(std::move(memory));
   // Pinning is slow (about 10 GB/s): at construction, or from construction on in the background.
   const auto growth = HostPool::growth_for(*memory, pin_in_background);
-  pool_ = std::make_unique<HostPool>(layout_.page_bytes(), num_slots, chunk_bytes,
-                                     std::move(memory), growth);
+  pool_ = std::make_unique<HostPool>(layout_.page_bytes() + slot_extra_bytes, num_slots,
+                                     chunk_bytes, std::move(memory), growth);
 }
 
 SlotMover::~SlotMover() {

@@ -12,17 +12,64 @@ namespace {
 
 // How long a background fetch may take before the tier thread gives up on it.
 constexpr auto kPrefetchDeadline = std::chrono::seconds(10);
-// Rounds of a put or a get that have a buffer (each half of it): one crosses the network while
-// the other is encoded or checked. Only one is ever in flight: Mooncake's client moves two
-// batches at once slower than one after the other (on the 2-core CI machine, 256 MiB as two
-// concurrent puts of 128 took 80 ms, as one put 64 ms and as four in turn 63; gets 63, 57, 58).
+// Rounds that TierOptions::buffer_bytes holds: one crosses the network while the other's records
+// are written (puts) or its values checked (gets). Only one is ever in flight: Mooncake's client
+// moves two batches at once slower than one after the other (on the 2-core CI machine, 256 MiB as
+// two concurrent puts of 128 took 80 ms, as one put 64 ms and as four in turn 63; gets 63, 57,
+// 58).
 constexpr std::size_t kRing = 2;
 
 }  // namespace
 
-TierLink::TierLink(std::shared_ptr<Tier> tier, TierOptions options, Key space,
-                   std::size_t page_bytes, std::int64_t block_tokens, Release release, Adopt adopt)
-    : tier_(std::move(tier)),
+namespace {
+
+class TierMemory final : public HostAllocator {
+ public:
+  TierMemory(std::shared_ptr<HostAllocator> inner, std::shared_ptr<TierGate> gate)
+      : inner_(std::move(inner)), gate_(std::move(gate)) {}
+  void* allocate(std::size_t bytes) override {
+    void* p = inner_->allocate(bytes);
+    std::lock_guard<std::mutex> g(gate_->mu);
+    try {
+      gate_->tier->use_memory({static_cast<std::byte*>(p), bytes});
+    } catch (const std::exception& e) {
+      // Host memory all the same: the cache works, and puts from this chunk fail, counted.
+      ++gate_->memory_errors;
+      gate_->memory_error = std::string("tier use_memory: ") + e.what();
+    }
+    return p;
+  }
+  void deallocate(void* p, std::size_t bytes) noexcept override {
+    {
+      std::lock_guard<std::mutex> g(gate_->mu);
+      try {
+        gate_->tier->release_memory({static_cast<std::byte*>(p), bytes});
+      } catch (const std::exception&) {  // the memory goes back either way
+      }
+    }
+    inner_->deallocate(p, bytes);
+  }
+  const char* name() const override { return inner_->name(); }
+  bool allocation_is_slow() const override { return inner_->allocation_is_slow(); }
+  bool room_for(std::size_t bytes) const override { return inner_->room_for(bytes); }
+
+ private:
+  std::shared_ptr<HostAllocator> inner_;
+  std::shared_ptr<TierGate> gate_;
+};
+
+}  // namespace
+
+std::shared_ptr<HostAllocator> tier_memory(std::shared_ptr<HostAllocator> inner,
+                                           std::shared_ptr<TierGate> gate) {
+  return std::make_shared<TierMemory>(std::move(inner), std::move(gate));
+}
+
+TierLink::TierLink(std::shared_ptr<TierGate> gate, TierOptions options, Key space,
+                   std::size_t page_bytes, std::int64_t block_tokens, Host host)
+    : gate_(std::move(gate)),
+      tier_(gate_->tier.get()),
+      tier_mu_(gate_->mu),
       options_((options.validate(), std::move(options))),
       space_(space),
       page_bytes_(page_bytes),
@@ -32,12 +79,7 @@ TierLink::TierLink(std::shared_ptr<Tier> tier, TierOptions options, Key space,
       // 128 MiB holds 64 values of 1 MiB pages, not 63 (see Rounds).
       round_pages_(std::max<std::size_t>(
           1, static_cast<std::size_t>(options_.buffer_bytes) / kRing / page_bytes_)),
-      release_(std::move(release)),
-      adopt_(std::move(adopt)),
-      put_buffer_(buffer(kRing * round_pages_ * value_bytes_)),
-      get_buffer_(buffer(kRing * round_pages_ * value_bytes_)) {
-  tier_->use_buffers({put_buffer_.get(), kRing * round_pages_ * value_bytes_},
-                     {get_buffer_.get(), kRing * round_pages_ * value_bytes_});
+      host_(std::move(host)) {
   worker_ = std::thread([this] { run(); });
 }
 
@@ -48,14 +90,9 @@ TierLink::~TierLink() {
   }
   wake_.notify_all();
   worker_.join();
-  // A get given up on may still write into the get buffer: wait for it before freeing.
+  // A get given up on may still write into its slots: wait for it before they are freed.
   std::lock_guard<std::mutex> g(get_mu_);
-  while (!settle(late_gets_)) std::this_thread::sleep_for(std::chrono::milliseconds(1));
-  try {
-    tier_->release_buffers({put_buffer_.get(), kRing * round_pages_ * value_bytes_},
-                           {get_buffer_.get(), kRing * round_pages_ * value_bytes_});
-  } catch (const std::exception&) {  // a destructor must not throw; the backend is done with them
-  }
+  while (!settle()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
 }
 
 void TierLink::note_error(const std::string& what) {
@@ -119,24 +156,30 @@ void TierLink::run() {
 }
 
 void TierLink::write(std::vector<PutPage>& pages) {
-  // Rounds through a ring of put buffers: copy record + page out of the host slots (and give
-  // the slots back), put, and encode the next rounds while earlier ones cross the network.
+  // Rounds straight from the host slots: each page's record is written after it (its checksum
+  // taken first where the store's copy did not sum it), the round is put, and the next round's
+  // records are written while it crosses the network. Entries stay pinned until their round
+  // landed: the backend reads the slots until then.
   struct Round {
     std::int64_t batch;
-    std::size_t n;
+    std::vector<Entry*> entries;
   };
   std::deque<Round> flying;
-  auto land = [&](const Round& r) {
-    std::int64_t ok = 0, failed = static_cast<std::int64_t>(r.n);
+  auto land = [&](Round& r) {
+    const auto n = static_cast<std::int64_t>(r.entries.size());
+    std::int64_t ok = 0, failed = n;
     try {
-      if (auto results = wait(r.batch, Clock::time_point::max())) {
-        failed = 0;
-        for (std::int64_t x : *results) (x >= 0 ? ok : failed) += 1;
+      if (r.batch >= 0) {
+        if (auto results = wait(r.batch, Clock::time_point::max())) {
+          failed = 0;
+          for (std::int64_t x : *results) (x >= 0 ? ok : failed) += 1;
+        }
       }
     } catch (const std::exception& e) {
       note_error(std::string("tier put: ") + e.what());
-      return;
+      failed = 0;  // counted as the error it is
     }
+    host_.release(r.entries);
     std::lock_guard<std::mutex> g(mu_);
     counters_.tier_pages_written += ok;
     if (failed) {
@@ -144,37 +187,36 @@ void TierLink::write(std::vector<PutPage>& pages) {
       counters_.tier_last_error = "tier put: " + std::to_string(failed) + " pages refused";
     }
   };
-  // Round r is encoded into its buffer while round r - 1 crosses the network (round r - 2,
-  // which used the same buffer, landed before r - 1 was put), then put once r - 1 landed.
   const Rounds plan = rounds(pages.size());
   for (std::size_t begin = 0, r = 0; begin < pages.size(); begin += plan.size(r), ++r) {
     const std::size_t n = plan.size(r);
-    std::byte* base = put_buffer_.get() + (r % kRing) * round_pages_ * value_bytes_;
     std::vector<std::string> names;
     std::vector<const std::byte*> values;
     std::vector<std::size_t> sizes(n, value_bytes_);
-    std::vector<Entry*> entries;
+    Round round{-1, {}};
     for (std::size_t j = 0; j < n; ++j) {
       const PutPage& p = pages[begin + j];
       names.push_back(tier_value_name(space_, p.key));
-      values.push_back(base + j * value_bytes_);
-      entries.push_back(p.entry);
+      values.push_back(p.slot);
+      round.entries.push_back(p.entry);
     }
-    detail::for_each_page(n, value_bytes_, [&](std::size_t j) {
+    detail::for_each_page(n, page_bytes_, [&](std::size_t j) {
       const PutPage& p = pages[begin + j];
-      encode_tier_value(base + j * value_bytes_, space_, p.key, p.parent, p.tokens,
-                        {p.page, page_bytes_});
+      const std::uint64_t sum = p.checksum ? *p.checksum : page_checksum({p.slot, page_bytes_});
+      write_tier_record(p.slot + page_bytes_, space_, p.key, p.parent, p.tokens, page_bytes_, sum);
     });
-    release_(entries);
     for (; !flying.empty(); flying.pop_front()) land(flying.front());
     try {
       std::lock_guard<std::mutex> t(tier_mu_);
-      flying.push_back({tier_->put(names, values, sizes), n});
+      round.batch = tier_->put(names, values, sizes);
     } catch (const std::exception& e) {
       note_error(std::string("tier put: ") + e.what());
+      host_.release(round.entries);
+      continue;
     }
+    flying.push_back(std::move(round));
   }
-  for (const Round& r : flying) land(r);
+  for (Round& r : flying) land(r);
 }
 
 TierLink::Rounds::Rounds(std::size_t pages, std::size_t most)
@@ -186,137 +228,154 @@ TierLink::Rounds TierLink::rounds(std::size_t pages) const { return {pages, roun
 
 void TierLink::prefetch_now(FetchJob& job) {
   job.keys = chain_keys(job.salt, job.prompt, block_tokens_, job.max_pages, job.key_bits);
-  fetch_into(
-      job.keys, job.prompt, job.salt, job.from, Clock::now() + kPrefetchDeadline,
-      [&](std::size_t from, std::span<const TierPage> pages) { return adopt_(job, from, pages); });
+  fetch_into({job.keys, job.prompt, job.salt}, job.from, Clock::now() + kPrefetchDeadline);
 }
 
-void TierLink::fetch_into(std::span<const Key> keys, std::span<const std::int32_t> prompt,
-                          std::string_view salt, std::size_t from, Clock::time_point deadline,
-                          const Take& take) {
-  Fetch f = fetch(keys, prompt, salt, from, deadline);
-  for (Run run = f.next(); !run.pages.empty(); run = f.next()) {
-    if (take(run.from, run.pages) < run.pages.size() || !run.complete) break;
+void TierLink::fetch_into(const FetchSpec& spec, std::size_t from, Clock::time_point deadline) {
+  std::lock_guard<std::mutex> hold(get_mu_);
+  if (!settle()) {  // a get given up on still runs: no second one beside it
+    std::lock_guard<std::mutex> g(mu_);
+    ++counters_.tier_fetches_late;
+    return;
   }
-}
-
-TierLink::Fetch TierLink::fetch(std::span<const Key> keys, std::span<const std::int32_t> prompt,
-                                std::string_view salt, std::size_t from,
-                                Clock::time_point deadline) {
-  return Fetch(*this, keys, prompt, salt, from, deadline);
-}
-
-TierLink::Fetch::Fetch(TierLink& link, std::span<const Key> keys,
-                       std::span<const std::int32_t> prompt, std::string_view salt,
-                       std::size_t from, Clock::time_point deadline)
-    : link_(&link),
-      hold_(link.get_mu_),
-      keys_(keys),
-      prompt_(prompt),
-      root_(tier_salt_digest(salt)),
-      next_(from),
-      plan_(link.rounds(keys.size() > from ? keys.size() - from : 0)),
-      deadline_(deadline) {
-  if (!link.settle(link.late_gets_)) {  // earlier gets given up on still write the buffer
-    over_ = true;
-    std::lock_guard<std::mutex> g(link.mu_);
-    ++link.counters_.tier_fetches_late;
-  }
-}
-
-TierLink::Fetch::~Fetch() {
-  if (!hold_.owns_lock()) return;  // moved from
-  for (const Round& r : rounds_) link_->late_gets_.push_back(r.batch);
-}
-
-void TierLink::Fetch::submit() {
-  // One round in flight (kRing). Rounds alternate buffers: the one submitted while next()
-  // hands out a run never writes that run's buffer (the caller reads it until it asks for the
-  // next run); it reuses the buffer of the run before, which the caller is done with.
-  if (!over_ && rounds_.empty() && next_ < keys_.size()) {
-    const std::size_t n = std::min(plan_.size(ring_), keys_.size() - next_);
-    const std::size_t ring = ring_++ % kRing;
-    std::byte* base = link_->get_buffer_.get() + ring * link_->round_pages_ * link_->value_bytes_;
-    std::vector<std::string> names;
-    std::vector<std::byte*> dests;
-    for (std::size_t j = 0; j < n; ++j) {
-      names.push_back(tier_value_name(link_->space_, keys_[next_ + j]));
-      dests.push_back(base + j * link_->value_bytes_);
-    }
-    try {
-      std::lock_guard<std::mutex> t(link_->tier_mu_);
-      rounds_.push_back({next_, n, ring, link_->tier_->get(names, dests, link_->value_bytes_)});
-    } catch (const std::exception& e) {
-      link_->note_error(std::string("tier get: ") + e.what());
-      over_ = true;
+  if (from >= spec.keys.size()) return;
+  const Rounds plan = rounds(spec.keys.size() - from);
+  std::size_t r = 0;
+  std::optional<Round> current = submit_round(spec, from, plan.size(r++), {});
+  while (current) {
+    // The next round crosses the network while this one is checked: its pages hang under this
+    // round's, still pending.
+    std::optional<Round> following;
+    const std::size_t next_from = current->from + current->slots.size();
+    const bool whole = current->slots.size() == current->asked;
+    const bool kept = land_round(spec, *current, deadline, [&] {
+      if (whole && next_from < spec.keys.size()) {
+        following = submit_round(spec, next_from, plan.size(r++), current->slots);
+      }
+    });
+    if (!kept || !whole) {
+      if (following) drop_round(*following, deadline);
       return;
     }
-    next_ += n;
+    current = std::move(following);
   }
 }
 
-TierLink::Run TierLink::Fetch::next() {
-  Run out;
-  submit();
-  if (rounds_.empty()) return out;
-  const Round r = rounds_.front();
-  rounds_.pop_front();
-  out.from = r.first;
-  std::optional<std::vector<std::int64_t>> results;
+std::optional<TierLink::Round> TierLink::submit_round(const FetchSpec& spec, std::size_t from,
+                                                      std::size_t n,
+                                                      std::span<const Slot> pending) {
+  Round round;
+  round.from = from;
+  round.asked = n;
+  round.slots = host_.reserve(spec, from, n, pending);
+  if (round.slots.empty()) return std::nullopt;
+  std::vector<std::string> names;
+  std::vector<std::byte*> dests;
+  for (std::size_t j = 0; j < round.slots.size(); ++j) {
+    if (!round.slots[j].fetch) continue;
+    names.push_back(tier_value_name(space_, spec.keys[from + j]));
+    dests.push_back(round.slots[j].bytes);
+  }
+  if (names.empty()) return round;  // host memory has every page: nothing to get
   try {
-    results = link_->wait(r.batch, deadline_);
+    std::lock_guard<std::mutex> t(tier_mu_);
+    round.batch = tier_->get(names, dests, value_bytes_);
   } catch (const std::exception& e) {
-    link_->note_error(std::string("tier get: ") + e.what());
-    over_ = true;
-    return out;
+    note_error(std::string("tier get: ") + e.what());
+    host_.publish(round.slots, 0);
+    return std::nullopt;
   }
-  if (!results) {
-    link_->late_gets_.push_back(r.batch);
-    over_ = true;
-    std::lock_guard<std::mutex> g(link_->mu_);
-    ++link_->counters_.tier_fetches_late;
-    return out;
+  return round;
+}
+
+bool TierLink::land_round(const FetchSpec& spec, Round& round, Clock::time_point deadline,
+                          const std::function<void()>& next) {
+  std::vector<std::size_t> fetched;  // round indices of the pages got
+  for (std::size_t j = 0; j < round.slots.size(); ++j) {
+    if (round.slots[j].fetch) fetched.push_back(j);
   }
-  // The next round crosses the network while this one is checked and copied out.
-  submit();
-  const auto B = static_cast<std::size_t>(link_->block_tokens_);
-  const std::byte* base =
-      link_->get_buffer_.get() + r.ring * link_->round_pages_ * link_->value_bytes_;
-  std::string why;
-  std::int64_t missing = 0, rejected = 0, failed = 0;
-  if (results->size() != r.n) {
-    failed = 1;
-  } else {
-    for (std::size_t j = 0; j < r.n; ++j) {
-      const std::size_t i = r.first + j;
-      const std::int64_t x = (*results)[j];
+  std::vector<std::int64_t> results;
+  if (round.batch >= 0) {
+    std::optional<std::vector<std::int64_t>> r;
+    try {
+      r = wait(round.batch, deadline);
+    } catch (const std::exception& e) {
+      note_error(std::string("tier get: ") + e.what());
+      r = std::vector<std::int64_t>(fetched.size(), Tier::kFailed);  // the backend forgot it
+    }
+    if (!r) {  // its slots stay pending until the get ends (settle)
+      late_gets_.push_back({round.batch, std::move(round.slots)});
+      std::lock_guard<std::mutex> g(mu_);
+      ++counters_.tier_fetches_late;
+      return false;
+    }
+    results = std::move(*r);
+  }
+  next();
+  // Each value is checked where it landed (record, then the page against its checksum), on
+  // several threads for a large round; the first page that fails ends what is kept.
+  const auto B = static_cast<std::size_t>(block_tokens_);
+  const Key root = tier_salt_digest(spec.salt);
+  enum Verdict : char { kGood, kMissing, kRejected, kFailed };
+  std::vector<char> verdict(fetched.size(), kFailed);
+  std::vector<std::string> why(fetched.size());
+  if (results.size() == fetched.size()) {
+    detail::for_each_page(fetched.size(), page_bytes_, [&](std::size_t k) {
+      const std::int64_t x = results[k];
       if (x < 0) {
-        (x == Tier::kMissing ? missing : failed) += 1;
-        break;
+        verdict[k] = x == Tier::kMissing ? kMissing : kFailed;
+        return;
       }
-      const std::span<const std::byte> value(base + j * link_->value_bytes_,
-                                             static_cast<std::size_t>(x));
-      const TierPage page =
-          check_tier_record(value, link_->space_, keys_[i], i == 0 ? root_ : keys_[i - 1],
-                            prompt_.subspan(i * B, B), link_->page_bytes_, why);
+      const std::size_t i = round.from + fetched[k];
+      const TierPage page = check_tier_record(
+          {round.slots[fetched[k]].bytes, static_cast<std::size_t>(x)}, space_, spec.keys[i],
+          i == 0 ? root : spec.keys[i - 1], spec.prompt.subspan(i * B, B), page_bytes_, why[k]);
       if (page.bytes.empty()) {
-        rejected += 1;
-        break;
+        verdict[k] = kRejected;
+      } else if (page_checksum(page.bytes) != page.checksum) {
+        why[k] = "page bytes do not match their checksum (overwritten or torn)";
+        verdict[k] = kRejected;
+      } else {
+        verdict[k] = kGood;
       }
-      out.pages.push_back(page);
+    });
+  }
+  const auto good = static_cast<std::size_t>(
+      std::find_if(verdict.begin(), verdict.end(), [](char v) { return v != kGood; }) -
+      verdict.begin());
+  const std::size_t in_host = host_.publish(round.slots, good);
+  if (good < fetched.size()) {
+    std::lock_guard<std::mutex> g(mu_);
+    switch (verdict[good]) {
+      case kMissing:
+        ++counters_.tier_pages_missing;
+        break;
+      case kRejected:
+        ++counters_.tier_pages_rejected;
+        counters_.tier_last_error = "tier value rejected: " + why[good];
+        break;
+      default:
+        ++counters_.tier_errors;
+        counters_.tier_last_error = "tier get failed";
     }
   }
-  out.complete = out.pages.size() == r.n;
-  if (!out.complete) over_ = true;  // later rounds are of no use past a hole
-  std::lock_guard<std::mutex> g(link_->mu_);
-  link_->counters_.tier_pages_missing += missing;
-  link_->counters_.tier_pages_rejected += rejected;
-  if (rejected) link_->counters_.tier_last_error = "tier value rejected: " + why;
-  if (failed) {
-    ++link_->counters_.tier_errors;
-    link_->counters_.tier_last_error = "tier get failed";
+  return in_host == round.slots.size();
+}
+
+void TierLink::drop_round(Round& round, Clock::time_point deadline) {
+  if (round.batch >= 0) {
+    std::optional<std::vector<std::int64_t>> r;
+    try {
+      r = wait(round.batch, deadline);
+    } catch (const std::exception&) {
+      r.emplace();  // the backend forgot it: nothing writes the slots any more
+    }
+    if (!r) {
+      late_gets_.push_back({round.batch, std::move(round.slots)});
+      return;
+    }
   }
-  return out;
+  host_.publish(round.slots, 0);
 }
 
 std::optional<std::vector<std::int64_t>> TierLink::wait(std::int64_t batch,
@@ -345,33 +404,40 @@ std::optional<std::vector<std::int64_t>> TierLink::wait(std::int64_t batch,
   }
 }
 
-bool TierLink::settle(std::vector<std::int64_t>& batches) {
-  std::lock_guard<std::mutex> t(tier_mu_);
-  std::erase_if(batches, [&](std::int64_t b) {
-    try {
-      return tier_->poll(b).has_value();
-    } catch (const std::exception&) {
-      return true;  // the backend no longer knows it: nothing will write for it any more
-    }
-  });
-  return batches.empty();
-}
-
-void TierLink::note_rejected(const std::string& why) {
-  std::lock_guard<std::mutex> g(mu_);
-  ++counters_.tier_pages_rejected;
-  counters_.tier_last_error = "tier value rejected: " + why;
+bool TierLink::settle() {
+  std::vector<LateGet> ended;
+  {
+    std::lock_guard<std::mutex> t(tier_mu_);
+    std::erase_if(late_gets_, [&](LateGet& late) {
+      bool done = true;  // a backend that no longer knows it writes nothing for it any more
+      try {
+        done = tier_->poll(late.batch).has_value();
+      } catch (const std::exception&) {
+      }
+      if (done) ended.push_back(std::move(late));
+      return done;
+    });
+  }
+  for (LateGet& late : ended) host_.publish(late.slots, 0);
+  return late_gets_.empty();
 }
 
 void TierLink::add_stats(CacheStats& s) const {
+  std::int64_t memory_errors = 0;
+  std::string memory_error;
+  {
+    std::lock_guard<std::mutex> g(tier_mu_);
+    memory_errors = gate_->memory_errors;
+    memory_error = gate_->memory_error;
+  }
   std::lock_guard<std::mutex> g(mu_);
   s.tier_pages_written = counters_.tier_pages_written;
   s.tier_pages_dropped = counters_.tier_pages_dropped;
   s.tier_pages_missing = counters_.tier_pages_missing;
   s.tier_pages_rejected = counters_.tier_pages_rejected;
   s.tier_fetches_late = counters_.tier_fetches_late;
-  s.tier_errors = counters_.tier_errors;
-  s.tier_last_error = counters_.tier_last_error;
+  s.tier_errors = counters_.tier_errors + memory_errors;
+  s.tier_last_error = counters_.tier_last_error.empty() ? memory_error : counters_.tier_last_error;
 }
 
 }  // namespace hicache

@@ -4,9 +4,10 @@
 // rest of a prefix on a host miss (on the caller's thread with a deadline, or in the background
 // for the next prompt), and checks every fetched value's record against the reader's own keys
 // and tokens (tier_record.hpp) before anything is handed back; the page's checksum is checked
-// by whoever copies it out (copy_tier_page), in the same pass as the copy. Values go through two
-// buffers allocated once (Tier::use_buffers), so a backend can move them without copies. Internal
-// to the cache.
+// by whoever copies it out (copy_tier_page), in the same pass as the copy. Values are put
+// straight from host slots (the record written after the page, tier_record.hpp) and fetched into
+// a buffer allocated once; the tier is told about both (Tier::use_memory), so a backend can move
+// them without copies. Internal to the cache.
 
 #include <chrono>
 #include <condition_variable>
@@ -23,11 +24,28 @@
 #include <vector>
 
 #include "hicache/cache_stats.hpp"
+#include "hicache/host_pool.hpp"
 #include "hicache/prefix_index.hpp"
 #include "hicache/tier.hpp"
 #include "hicache/tier_record.hpp"
 
 namespace hicache {
+
+/// A tier and the lock that keeps its calls one at a time (Tier's rule), shared by a cache's
+/// TierLink and its page pool's memory (tier_memory).
+struct TierGate {
+  explicit TierGate(std::shared_ptr<Tier> t) : tier(std::move(t)) {}
+  std::shared_ptr<Tier> tier;
+  std::mutex mu;
+  // use_memory refusals (the memory is used all the same; puts from it then fail), under mu.
+  std::int64_t memory_errors = 0;
+  std::string memory_error;
+};
+
+/// Memory from `inner` that the gate's tier is told about (Tier::use_memory) once allocated, and
+/// before it is freed (release_memory).
+std::shared_ptr<HostAllocator> tier_memory(std::shared_ptr<HostAllocator> inner,
+                                           std::shared_ptr<TierGate> gate);
 
 class TierLink {
  public:
@@ -38,17 +56,23 @@ class TierLink {
     Key key;
     Key parent;                            ///< previous page's key, or the salt's digest for page 0
     std::span<const std::int32_t> tokens;  ///< the entry's own: valid while it is pinned
-    const std::byte* page = nullptr;
+    std::byte* slot = nullptr;             ///< the page, then room for its record (the value put)
+    std::optional<std::uint64_t> checksum;  ///< the page's, if the store's copy summed it
   };
-  /// A run of pages whose records matched, in prompt order: views into the get buffer, valid
-  /// until the fetch's next call. Each page must go through copy_tier_page (and count a
-  /// failure with note_rejected) before it is used.
-  struct Run {
-    std::size_t from = 0;  ///< index of the first page's key
-    std::vector<TierPage> pages;
-    bool complete = false;  ///< every page asked for arrived and was exact (more may follow)
+  /// What a fetch asks of the cache: the prompt's keys, its tokens and its salt.
+  struct FetchSpec {
+    std::span<const Key> keys;
+    std::span<const std::int32_t> prompt;
+    std::string_view salt;
   };
-  class Fetch;
+  /// A page of a fetch round: a host slot (the page, then room for its record) whose entry the
+  /// cache inserted pending (not ready) for the value to land in, or the entry host memory had
+  /// for that page already (not fetched).
+  struct Slot {
+    Entry* entry = nullptr;  ///< pinned until published
+    std::byte* bytes = nullptr;
+    bool fetch = false;  ///< inserted pending by reserve (else host memory had the page)
+  };
   /// A background fetch: pages [from, max_pages) of a prompt under a salt. The tier thread
   /// hashes the keys (off the engine's thread) before it fetches.
   struct FetchJob {
@@ -59,15 +83,24 @@ class TierLink {
     int key_bits = 128;
     std::vector<Key> keys;  // filled by the tier thread
   };
-  /// Unpins entries whose bytes were copied out (takes the cache's lock).
-  using Release = std::function<void(const std::vector<Entry*>&)>;
-  /// Inserts pages of a background fetch for job.keys[from..] (takes the cache's lock); returns
-  /// how many it put in host memory.
-  using Adopt =
-      std::function<std::size_t(const FetchJob&, std::size_t from, std::span<const TierPage>)>;
+  /// The cache's side; each call takes the cache's lock.
+  struct Host {
+    /// Unpins entries once their values were put.
+    std::function<void(const std::vector<Entry*>&)> release;
+    /// Slots for pages [from, from + n) of a fetch, every entry pinned: the chain before them
+    /// is the cached prefix, then `pending` (the previous round's, not yet published). Fewer
+    /// (none) where a page cannot be placed; the fetch ends there.
+    std::function<std::vector<Slot>(const FetchSpec&, std::size_t from, std::size_t n,
+                                    std::span<const Slot> pending)>
+        reserve;
+    /// Publishes a round: the first `good` of its fetched pages become ready, the later ones
+    /// are erased, every entry is unpinned. Returns how many of the round's pages are in host
+    /// memory now, from its first on. With good = 0 it drops a round (its gets completed).
+    std::function<std::size_t(std::span<const Slot> round, std::size_t good)> publish;
+  };
 
-  TierLink(std::shared_ptr<Tier> tier, TierOptions options, Key space, std::size_t page_bytes,
-           std::int64_t block_tokens, Release release, Adopt adopt);
+  TierLink(std::shared_ptr<TierGate> gate, TierOptions options, Key space, std::size_t page_bytes,
+           std::int64_t block_tokens, Host host);
   /// Writes what is queued, waits for batches in flight, stops the thread.
   ~TierLink();
   TierLink(const TierLink&) = delete;
@@ -76,22 +109,14 @@ class TierLink {
   /// Queues pages to write. false if the queue has no room for them (nothing queued: the caller
   /// unpins them; counted as dropped).
   bool offer(std::vector<PutPage>& pages);
-  /// Starts fetching keys[from..) for `prompt` under `salt` (see Fetch).
-  Fetch fetch(std::span<const Key> keys, std::span<const std::int32_t> prompt,
-              std::string_view salt, std::size_t from, Clock::time_point deadline);
-  /// Hands a fetch's runs to `take` (which returns how many of a run's pages it kept) until one
-  /// is not kept whole or the fetch is over.
-  using Take = std::function<std::size_t(std::size_t from, std::span<const TierPage> pages)>;
-  void fetch_into(std::span<const Key> keys, std::span<const std::int32_t> prompt,
-                  std::string_view salt, std::size_t from, Clock::time_point deadline,
-                  const Take& take);
-  /// Fetches in the background and hands the pages to `adopt`. false if the queue is full.
+  /// Fetches spec.keys[from..) into host memory (Host::reserve, then publish) in rounds, one in
+  /// flight, until a page is missing or wrong, the deadline passes or the keys end.
+  void fetch_into(const FetchSpec& spec, std::size_t from, Clock::time_point deadline);
+  /// Fetches in the background (fetch_into, off the caller's thread). false if the queue is
+  /// full.
   bool prefetch(FetchJob job);
   /// Waits until the queue is empty and nothing is in flight (tests, shutdown).
   void drain();
-
-  /// A fetched page whose bytes did not match their checksum when copied out (a miss there).
-  void note_rejected(const std::string& why);
 
   /// Adds the tier's counters to `s`.
   void add_stats(CacheStats& s) const;
@@ -115,39 +140,43 @@ class TierLink {
     std::size_t count, base, extra;
   };
   Rounds rounds(std::size_t pages) const;
-  // Polls a batch until it completed, or until `deadline` (then nullopt: the batch is
-  // remembered in `pending` and the buffer it uses is not reused before it completed).
+  // Polls a batch until it completed, or until `deadline` (then nullopt).
   std::optional<std::vector<std::int64_t>> wait(std::int64_t batch, Clock::time_point deadline);
-  // Drops from `batches` those that completed; true if none is left.
-  bool settle(std::vector<std::int64_t>& batches);
+  // Abandons the late gets that completed (get_mu_ held); true if none is left.
+  bool settle();
+  // One round of a fetch: slots reserved, got, checked in place and published. Returns how
+  // many of its pages are in host memory now, and whether every one asked for is (the fetch
+  // goes on only then). `next` submits the next round once this one's get completed.
+  struct Round {
+    std::size_t from = 0, asked = 0;
+    std::vector<Slot> slots;
+    std::int64_t batch = -1;  // -1: nothing to get (host memory has every page)
+  };
+  std::optional<Round> submit_round(const FetchSpec& spec, std::size_t from, std::size_t n,
+                                    std::span<const Slot> pending);
+  bool land_round(const FetchSpec& spec, Round& round, Clock::time_point deadline,
+                  const std::function<void()>& next);
+  // A round started but not wanted (the one before it fell short): dropped once its get ended.
+  void drop_round(Round& round, Clock::time_point deadline);
   void note_error(const std::string& what);
 
-  std::shared_ptr<Tier> tier_;
+  std::shared_ptr<TierGate> gate_;
+  Tier* tier_;           // gate_'s
+  std::mutex& tier_mu_;  // gate_'s: one call into the backend at a time
   TierOptions options_;
   Key space_;
   std::size_t page_bytes_;
   std::int64_t block_tokens_;
   std::size_t value_bytes_;
-  std::size_t round_pages_;  // values one round of a put or a get moves (half a buffer)
-  Release release_;
-  Adopt adopt_;
+  std::size_t round_pages_;  // values one round of a put or a get moves
+  Host host_;
 
-  std::mutex tier_mu_;  // one call into the backend at a time
-  // Not zeroed: memory is touched only as values pass through (a cache that never fetches
-  // costs no get buffer).
-  // Page-aligned, so that values (records padded to 64 bytes, then the page) are aligned and
-  // copies into them can use streaming stores (page_checksum.hpp); new[] gives 16 bytes.
-  struct AlignedFree {
-    void operator()(std::byte* p) const { ::operator delete[](p, std::align_val_t{4096}); }
+  std::mutex get_mu_;  // one fetch at a time (two gets at once were slower than in turn)
+  struct LateGet {
+    std::int64_t batch;
+    std::vector<Slot> slots;  // pending: their slots may still be written
   };
-  using Buffer = std::unique_ptr<std::byte[], AlignedFree>;
-  static Buffer buffer(std::size_t bytes) {
-    return Buffer(new (std::align_val_t{4096}) std::byte[bytes]);
-  }
-  Buffer put_buffer_;  // the tier thread's
-  std::mutex get_mu_;  // the get buffer belongs to one fetch at a time
-  Buffer get_buffer_;
-  std::vector<std::int64_t> late_gets_;  // gets given up on, maybe still writing the buffer
+  std::vector<LateGet> late_gets_;  // gets given up on, under get_mu_
 
   mutable std::mutex mu_;
   std::condition_variable wake_, idle_;
@@ -157,40 +186,6 @@ class TierLink {
   bool stop_ = false;
   CacheStats counters_;  // only the tier_* fields
   std::thread worker_;
-};
-
-/// One fetch in rounds of half the get buffer, one in flight: the next round crosses the
-/// network while the caller checks and adopts this one. Holds the get buffer until
-/// destroyed; rounds still in flight then are left to complete (the buffer is not reused before).
-class TierLink::Fetch {
- public:
-  /// The next verified run (empty when the fetch is over: a page missing or wrong, the
-  /// deadline, the end of the keys).
-  Run next();
-  Fetch(Fetch&&) = default;
-  ~Fetch();
-
- private:
-  friend class TierLink;
-  struct Round {
-    std::size_t first, n, ring;
-    std::int64_t batch;
-  };
-  Fetch(TierLink& link, std::span<const Key> keys, std::span<const std::int32_t> prompt,
-        std::string_view salt, std::size_t from, Clock::time_point deadline);
-  void submit();
-
-  TierLink* link_;
-  std::unique_lock<std::mutex> hold_;
-  std::span<const Key> keys_;
-  std::span<const std::int32_t> prompt_;
-  Key root_;
-  std::size_t next_;
-  Rounds plan_;
-  Clock::time_point deadline_;
-  std::deque<Round> rounds_;
-  std::size_t ring_ = 0;
-  bool over_ = false;
 };
 
 }  // namespace hicache

@@ -11,12 +11,11 @@
 namespace hicache {
 namespace {
 
-// "hicache3": the page checksum of page_checksum.hpp ("hicache2" had a slower one; "hicache1"
-// hashed the previous key before a page's tokens).
-constexpr std::array<char, 8> kMagic = {'h', 'i', 'c', 'a', 'c', 'h', 'e', '3'};
+// "hicache4": the record after the page ("hicache3" put it before; "hicache2" had a slower
+// checksum; "hicache1" hashed the previous key before a page's tokens).
+constexpr std::array<char, 8> kMagic = {'h', 'i', 'c', 'a', 'c', 'h', 'e', '4'};
 constexpr std::size_t kHeader = 8 + 16 * 3 + 4 + 4 + 8 + 8;
-// The record is zero-padded to a multiple of this, so that the page after it starts as aligned
-// as the value does and the copy into or out of a value can use streaming stores.
+// The record is zero-padded to a multiple of this (a cache line).
 constexpr std::size_t kRecordAlign = 64;
 
 std::size_t record_bytes(std::size_t tokens) {
@@ -61,16 +60,21 @@ std::string tier_value_name(const Key& space, const Key& key) {
   return "hicache/" + space.hex() + "/" + key.hex();
 }
 
+std::size_t tier_record_bytes(std::int64_t block_tokens) {
+  return record_bytes(static_cast<std::size_t>(block_tokens));
+}
+
 std::size_t tier_value_bytes(std::int64_t block_tokens, std::size_t page_bytes) {
-  return record_bytes(static_cast<std::size_t>(block_tokens)) + page_bytes;
+  return page_bytes + tier_record_bytes(block_tokens);
 }
 
 std::uint64_t page_checksum(std::span<const std::byte> bytes) {
   return detail::checksum_copy(bytes, nullptr);
 }
 
-void encode_tier_value(std::byte* out, const Key& space, const Key& key, const Key& parent,
-                       std::span<const std::int32_t> tokens, std::span<const std::byte> page) {
+void write_tier_record(std::byte* out, const Key& space, const Key& key, const Key& parent,
+                       std::span<const std::int32_t> tokens, std::size_t page_bytes,
+                       std::uint64_t checksum) {
   std::byte* p = out;
   put(p, kMagic);
   put(p, space.bytes);
@@ -78,28 +82,29 @@ void encode_tier_value(std::byte* out, const Key& space, const Key& key, const K
   put(p, parent.bytes);
   put(p, static_cast<std::uint32_t>(tokens.size()));
   put(p, std::uint32_t{0});
-  put(p, static_cast<std::uint64_t>(page.size()));
-  std::byte* checksum_at = p;
-  p += sizeof(std::uint64_t);
+  put(p, static_cast<std::uint64_t>(page_bytes));
+  put(p, checksum);
   std::memcpy(p, tokens.data(), tokens.size_bytes());
   p += tokens.size_bytes();
-  const std::size_t pad = record_bytes(tokens.size()) - static_cast<std::size_t>(p - out);
-  std::memset(p, 0, pad);
-  p += pad;
-  const std::uint64_t checksum = detail::checksum_copy(page, p);  // copies the page as it sums it
-  std::memcpy(checksum_at, &checksum, sizeof checksum);
+  std::memset(p, 0, record_bytes(tokens.size()) - static_cast<std::size_t>(p - out));
+}
+
+void encode_tier_value(std::byte* out, const Key& space, const Key& key, const Key& parent,
+                       std::span<const std::int32_t> tokens, std::span<const std::byte> page) {
+  const std::uint64_t checksum = detail::checksum_copy(page, out);  // copies the page as it sums
+  write_tier_record(out + page.size(), space, key, parent, tokens, page.size(), checksum);
 }
 
 TierPage check_tier_record(std::span<const std::byte> value, const Key& space, const Key& key,
                            const Key& parent, std::span<const std::int32_t> tokens,
                            std::size_t page_bytes, std::string& why) {
-  const std::size_t want = record_bytes(tokens.size()) + page_bytes;
+  const std::size_t want = page_bytes + record_bytes(tokens.size());
   if (value.size() != want) {
     why = "value of " + std::to_string(value.size()) + " bytes, not " + std::to_string(want) +
           " (truncated, or another layout's)";
     return {};
   }
-  const std::byte* p = value.data();
+  const std::byte* p = value.data() + page_bytes;
   if (take<std::array<char, 8>>(p) != kMagic) {
     why = "not a hicache record";
     return {};
@@ -129,13 +134,13 @@ TierPage check_tier_record(std::span<const std::byte> value, const Key& space, c
     return {};
   }
   p += tokens.size_bytes();
-  for (const std::byte* end = value.data() + record_bytes(tokens.size()); p < end; ++p) {
+  for (const std::byte* end = value.data() + value.size(); p < end; ++p) {
     if (*p != std::byte{0}) {
       why = "not a hicache record (padding)";
       return {};
     }
   }
-  return {{p, page_bytes}, checksum};
+  return {value.first(page_bytes), checksum};
 }
 
 namespace {

@@ -20,7 +20,7 @@ overwritten value is a miss, never served (see ``docs/tier.md``).
 
 Calls run on threads of the tier's own (the store's client blocks), so hicache's callers never
 wait for the network except for a host miss's bounded fetch. After a failed call the tier
-reconnects by itself (a new client, buffers registered again), at most once every
+reconnects by itself (a new client, hicache's memory registered again), at most once every
 ``reconnect_s`` seconds.
 """
 
@@ -108,7 +108,9 @@ class MooncakeTier(Tier):
         try:
             if store.setup(*self._args) != 0:
                 return False
-            for addr, size in self._buffers:
+            with self._lock:
+                regions = list(self._buffers)
+            for addr, size in regions:
                 if store.register_buffer(addr, size) != 0:
                     return False
         except Exception:  # noqa: BLE001 - any failure of the client's setup means "not connected"
@@ -159,20 +161,25 @@ class MooncakeTier(Tier):
     def name(self) -> str:
         return "mooncake"
 
-    def use_buffers(self, puts: int, put_bytes: int, gets: int, get_bytes: int) -> None:
-        self._buffers += [(puts, put_bytes), (gets, get_bytes)]
-        for addr, size in self._buffers[-2:]:
-            rc = self._store.register_buffer(addr, size)
-            if rc != 0:
-                raise TierUnavailableError(
-                    f"Mooncake Store refused to register hicache's buffer of {size} bytes at {addr:#x}: {rc}"
-                )
+    def use_memory(self, addr: int, size: int) -> None:
+        """Registers host memory hicache puts values from or gets them into (zero-copy)."""
+        with self._lock:
+            self._buffers.append((addr, size))
+            store = self._store
+        rc = store.register_buffer(addr, size) if store is not None else -1
+        if rc != 0:
+            raise TierUnavailableError(
+                f"Mooncake Store refused to register {size} bytes of hicache's memory at {addr:#x}: {rc}"
+            )
 
-    def release_buffers(self, puts: int, put_bytes: int, gets: int, get_bytes: int) -> None:
-        for addr, size in ((puts, put_bytes), (gets, get_bytes)):
-            if (addr, size) in self._buffers:
-                self._buffers.remove((addr, size))
-                self._store.unregister_buffer(addr)
+    def release_memory(self, addr: int, size: int) -> None:
+        with self._lock:
+            if (addr, size) not in self._buffers:
+                return
+            self._buffers.remove((addr, size))
+            store = self._store
+        if store is not None:
+            store.unregister_buffer(addr)
 
     def put(self, names: list[str], values: list[int], sizes: list[int]) -> int:
         def run() -> list[int]:

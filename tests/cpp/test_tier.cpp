@@ -568,3 +568,299 @@ TEST(Tier, OneRoundIsInFlightAtATime) {
   EXPECT_EQ(b.stats().tier_pages_fetched, 7);
   EXPECT_EQ(tier->most_in_flight, 1u) << "gets";
 }
+
+TEST(Tier, APageSummedInPiecesHasTheWholePagesChecksum) {
+  // A layer-major page reaches its slot segment by segment: summed piece by piece (whole
+  // kilobytes but the last), it has the checksum and the bytes of the page summed at once.
+  using hicache::detail::ChecksumCopy;
+  std::vector<std::byte> page(5 * 1024 + 77);
+  std::mt19937 rng(11);
+  for (auto& b : page) b = static_cast<std::byte>(rng());
+  const std::uint64_t whole = hicache::page_checksum(page);
+  for (const std::vector<std::size_t>& pieces :
+       {std::vector<std::size_t>{1024, 1024, 3 * 1024 + 77},
+        {2048, 3 * 1024, 77},
+        {5 * 1024 + 77}}) {
+    ChecksumCopy sum;
+    std::vector<std::byte> out(page.size());
+    std::size_t at = 0;
+    for (std::size_t n : pieces) {
+      ASSERT_TRUE(sum.add({page.data() + at, n}, out.data() + at));
+      at += n;
+    }
+    EXPECT_EQ(sum.value(), whole) << pieces.size() << " pieces";
+    EXPECT_EQ(out, page);
+  }
+  // A piece after one that was not whole kilobytes is refused (nothing copied).
+  ChecksumCopy sum;
+  std::vector<std::byte> out(page.size());
+  ASSERT_TRUE(sum.add({page.data(), 1000}, out.data()));
+  EXPECT_FALSE(sum.add({page.data() + 1000, 1000}, out.data() + 1000));
+  EXPECT_EQ(out[1500], std::byte{0});
+}
+
+namespace {
+
+// A MemoryTier that records the memory it was told about and checks that every value put or got
+// lies in it.
+class RegionTier final : public hicache::Tier {
+ public:
+  std::string name() const override { return "regions"; }
+  std::int64_t put(std::span<const std::string> names, std::span<const std::byte* const> values,
+                   std::span<const std::size_t> sizes) override {
+    for (std::size_t i = 0; i < values.size(); ++i) check(values[i], sizes[i]);
+    return inner.put(names, values, sizes);
+  }
+  std::int64_t get(std::span<const std::string> names, std::span<std::byte* const> dests,
+                   std::size_t capacity) override {
+    for (std::byte* d : dests) check(d, capacity);
+    return inner.get(names, dests, capacity);
+  }
+  std::int64_t exists(std::span<const std::string> names) override { return inner.exists(names); }
+  std::optional<std::vector<std::int64_t>> poll(std::int64_t batch) override {
+    return inner.poll(batch);
+  }
+  void use_memory(std::span<std::byte> region) override {
+    std::lock_guard<std::mutex> g(mu);
+    regions.emplace(region.data(), region.size());
+    ++used;
+  }
+  void release_memory(std::span<std::byte> region) override {
+    std::lock_guard<std::mutex> g(mu);
+    EXPECT_EQ(regions.erase(region.data()), 1u);
+  }
+  void check(const std::byte* p, std::size_t n) {
+    std::lock_guard<std::mutex> g(mu);
+    auto it = regions.upper_bound(p);
+    const bool inside = it != regions.begin() && (--it, p + n <= it->first + it->second);
+    if (inside) {
+      ++inside_calls;
+    } else {
+      ++outside_calls;
+    }
+  }
+  MemoryTier inner;
+  std::mutex mu;
+  std::map<const std::byte*, std::size_t> regions;
+  int used = 0, inside_calls = 0, outside_calls = 0;
+};
+
+}  // namespace
+
+TEST(Tier, ValuesGoStraightFromAndIntoHostSlotsTheTierWasToldAbout) {
+  // Puts read each value (the page, then its record) where the page lies in its host slot, and
+  // gets write it there: no copy of the pages in between. The tier is told about the pool's
+  // memory chunk by chunk (4 chunks of 2 slots here) and about nothing else, and every chunk is
+  // released when the caches go.
+  auto tier = std::make_shared<RegionTier>();
+  {
+    CacheConfig c;
+    c.block_tokens = kB;
+    c.capacity_pages = 8;
+    c.admission = hicache::Admission::kAlways;
+    const std::size_t slot = kBlockBytes + hicache::tier_record_bytes(kB);
+    c.pool_chunk_bytes = static_cast<std::int64_t>(2 * ((slot + 255) / 256 * 256));
+    std::vector<std::uint8_t> kv_a(16 * kBlockBytes), kv_b(16 * kBlockBytes, 0);
+    for (std::size_t i = 0; i < kv_a.size(); ++i) kv_a[i] = static_cast<std::uint8_t>(i * 7 + 3);
+    HostPrefixCache a({{kv_a.data(), 16, kBlockBytes, kBlockBytes}}, hicache::Device{}, c, nullptr,
+                      tier);
+    HostPrefixCache b({{kv_b.data(), 16, kBlockBytes, kBlockBytes}}, hicache::Device{}, c, nullptr,
+                      tier);
+    const auto prompt = tokens(7 * kB + 1, 40);
+    ASSERT_EQ(a.store("a", prompt, ids(0, 7)), 7);
+    a.flush_tier();
+    ASSERT_EQ(a.stats().tier_pages_written, 7);
+    EXPECT_EQ(b.try_resume("b", prompt,
+                           [](std::int64_t n) {
+                             return std::optional<std::vector<std::int64_t>>(ids(0, n / kB));
+                           }),
+              7 * kB);
+    EXPECT_TRUE(std::equal(kv_b.begin(), kv_b.begin() + 7 * kBlockBytes, kv_a.begin()));
+    EXPECT_EQ(tier->used, 8);  // 4 chunks in each cache's pool, and nothing else
+    EXPECT_GE(tier->inside_calls, 14);
+    EXPECT_EQ(tier->outside_calls, 0);
+  }
+  EXPECT_TRUE(tier->regions.empty());
+}
+
+namespace {
+
+// The CPU copier, but the checksums it reports for the pages it stores are off by one bit.
+class MisSummingCopier final : public hicache::CpuCopier {
+ public:
+  void copy_pages(hicache::Direction dir, const hicache::PageLayout& layout,
+                  std::span<const hicache::PageMove> moves, hicache::StreamHandle stream) override {
+    CpuCopier::copy_pages(dir, layout, moves, stream);
+    for (const hicache::PageMove& m : moves) {
+      if (m.checksum != nullptr && m.checksum->has_value()) **m.checksum ^= 1;
+    }
+  }
+};
+
+}  // namespace
+
+TEST(Tier, APageTheStoreSummedIsNotReadAgainToBeWritten) {
+  // The CPU copier sums each page as it copies it into its slot, and the tier record takes that
+  // sum: a copier that reports a wrong one gets its values rejected by readers, which shows the
+  // page was not summed again. Layouts whose segments are not whole kilobytes (but the last) are
+  // summed by the tier thread instead, and read back exactly.
+  struct Case {
+    const char* what;
+    std::vector<std::int64_t> segment_bytes;
+    bool wrong_sums;
+    bool served;
+  };
+  for (const Case& k : {Case{"two segments of 1 KiB", {1024, 1024}, false, true},
+                        Case{"two segments of 1 KiB, wrong sums", {1024, 1024}, true, false},
+                        Case{"1000 + 1048 bytes: summed after", {1000, 1048}, true, true}}) {
+    SCOPED_TRACE(k.what);
+    auto tier = std::make_shared<MemoryTier>();
+    CacheConfig c;
+    c.block_tokens = kB;
+    c.capacity_pages = 8;
+    c.admission = hicache::Admission::kAlways;
+    std::vector<std::vector<std::uint8_t>> a_kv, b_kv;
+    std::vector<hicache::Segment> a_segs, b_segs;
+    for (std::int64_t bytes : k.segment_bytes) {
+      a_kv.emplace_back(static_cast<std::size_t>(8 * bytes));
+      for (std::size_t i = 0; i < a_kv.back().size(); ++i) {
+        a_kv.back()[i] = static_cast<std::uint8_t>(i * 31 + bytes);
+      }
+      b_kv.emplace_back(static_cast<std::size_t>(8 * bytes), 0);
+      a_segs.push_back({a_kv.back().data(), 8, bytes, bytes});
+      b_segs.push_back({b_kv.back().data(), 8, bytes, bytes});
+    }
+    std::shared_ptr<hicache::Copier> copier;
+    if (k.wrong_sums) copier = std::make_shared<MisSummingCopier>();
+    HostPrefixCache a(a_segs, hicache::Device{}, c, copier, tier);
+    HostPrefixCache b(b_segs, hicache::Device{}, c, nullptr, tier);
+    const auto prompt = tokens(3 * kB + 1, 60);
+    ASSERT_EQ(a.store("a", prompt, ids(0, 3)), 3);
+    a.flush_tier();
+    ASSERT_EQ(a.stats().tier_pages_written, 3);
+    const auto served = b.try_resume("b", prompt, [](std::int64_t n) {
+      return std::optional<std::vector<std::int64_t>>(ids(0, n / kB));
+    });
+    EXPECT_EQ(served, k.served ? 3 * kB : 0);
+    EXPECT_EQ(b.stats().tier_pages_rejected, k.served ? 0 : 1);
+    if (k.served) {
+      for (std::size_t s = 0; s < a_kv.size(); ++s) {
+        const auto n = static_cast<std::size_t>(3 * k.segment_bytes[s]);
+        EXPECT_TRUE(std::equal(b_kv[s].begin(), b_kv[s].begin() + n, a_kv[s].begin()));
+      }
+    }
+  }
+}
+
+namespace {
+
+// A tier whose gets write their values only when they complete, `delay` after they start (as a
+// network's do), and never block.
+class LateWritingTier final : public hicache::Tier {
+ public:
+  using Clock = std::chrono::steady_clock;
+  explicit LateWritingTier(Clock::duration d) : delay(d) {}
+  std::string name() const override { return "late"; }
+  std::int64_t put(std::span<const std::string> names, std::span<const std::byte* const> values,
+                   std::span<const std::size_t> sizes) override {
+    return inner.put(names, values, sizes);
+  }
+  std::int64_t get(std::span<const std::string> names, std::span<std::byte* const> dests,
+                   std::size_t capacity) override {
+    std::lock_guard<std::mutex> g(mu_);
+    const std::int64_t id = next_++;
+    gets_[id] = {{names.begin(), names.end()},
+                 {dests.begin(), dests.end()},
+                 capacity,
+                 Clock::now() + delay.load()};
+    return id;
+  }
+  std::int64_t exists(std::span<const std::string> names) override { return inner.exists(names); }
+  std::optional<std::vector<std::int64_t>> poll(std::int64_t batch) override {
+    std::unique_lock<std::mutex> g(mu_);
+    auto it = gets_.find(batch);
+    if (it == gets_.end()) return inner.poll(batch);
+    if (Clock::now() < it->second.due) return std::nullopt;
+    Get get = std::move(it->second);
+    gets_.erase(it);
+    g.unlock();
+    auto r = inner.poll(inner.get(get.names, get.dests, get.capacity));  // writes the slots now
+    ++landed;
+    return r;
+  }
+  MemoryTier inner;
+  std::atomic<Clock::duration> delay;
+  std::atomic<int> landed{0};
+
+ private:
+  struct Get {
+    std::vector<std::string> names;
+    std::vector<std::byte*> dests;
+    std::size_t capacity;
+    Clock::time_point due;
+  };
+  std::mutex mu_;
+  std::map<std::int64_t, Get> gets_;
+  std::int64_t next_ = 1'000'000;
+};
+
+}  // namespace
+
+TEST(Tier, SlotsOfAGetGivenUpOnAreNotReusedBeforeItEnds) {
+  // A host miss waits 10 ms for a get that writes its 5 values into host slots 150 ms later.
+  // Until then those slots stay taken: a store of 8 new pages into the 8-slot pool gets only the
+  // 3 others (were they given back at the deadline, it would get all 8, and the late values would
+  // land on its pages). Once the get ended, its pages are dropped (not served unchecked), the
+  // stored pages are intact, and the prompt is fetched again in full.
+  using namespace std::chrono_literals;
+  auto tier = std::make_shared<LateWritingTier>(150ms);
+  CacheConfig c;
+  c.block_tokens = kB;
+  c.admission = hicache::Admission::kAlways;
+  c.capacity_pages = 16;
+  std::vector<std::uint8_t> kv_a(16 * kBlockBytes);
+  for (std::size_t i = 0; i < kv_a.size(); ++i) kv_a[i] = static_cast<std::uint8_t>(i * 5 + 1);
+  HostPrefixCache a({{kv_a.data(), 16, kBlockBytes, kBlockBytes}}, hicache::Device{}, c, nullptr,
+                    tier);
+  const auto prompt = tokens(5 * kB + 1, 70);
+  ASSERT_EQ(a.store("a", prompt, ids(0, 5)), 5);
+  a.flush_tier();
+  ASSERT_EQ(a.stats().tier_pages_written, 5);
+
+  c.capacity_pages = 8;
+  c.tier.wait_us = 10'000;
+  std::vector<std::uint8_t> kv_b(16 * kBlockBytes, 0);
+  HostPrefixCache b({{kv_b.data(), 16, kBlockBytes, kBlockBytes}}, hicache::Device{}, c, nullptr,
+                    tier);
+  const auto blocks = [](std::int64_t n) {
+    return std::optional<std::vector<std::int64_t>>(ids(0, n / kB));
+  };
+  EXPECT_EQ(b.try_resume("late", prompt, blocks), 0);
+  EXPECT_EQ(b.stats().tier_fetches_late, 1);
+  EXPECT_EQ(tier->landed, 0);
+
+  const auto other = tokens(8 * kB + 1, 900);
+  for (std::size_t i = 0; i < 8 * kBlockBytes; ++i) {
+    kv_b[8 * kBlockBytes + i] = static_cast<std::uint8_t>(i * 3 + 2);
+  }
+  EXPECT_EQ(b.store("other", other, ids(8, 8)), 3);
+  b.flush_tier();
+  std::this_thread::sleep_for(200ms);  // the late get writes its slots
+
+  // The next fetch first sees the late get ended and drops its pages, then runs (at once now).
+  std::fill(kv_b.begin(), kv_b.begin() + 8 * kBlockBytes, 0);
+  tier->delay = 0ms;
+  EXPECT_EQ(b.try_resume("again", prompt, blocks), 5 * kB);
+  EXPECT_EQ(tier->landed, 2);
+  EXPECT_TRUE(std::equal(kv_b.begin(), kv_b.begin() + 5 * kBlockBytes, kv_a.begin()));
+  // The 3 stored pages still read back as stored.
+  std::fill(kv_b.begin() + 8 * kBlockBytes, kv_b.end(), 0);
+  EXPECT_EQ(b.try_resume("other again", other,
+                         [](std::int64_t n) {
+                           return std::optional<std::vector<std::int64_t>>(ids(8, n / kB));
+                         }),
+            3 * kB);
+  for (std::size_t i = 0; i < 3 * kBlockBytes; ++i) {
+    ASSERT_EQ(kv_b[8 * kBlockBytes + i], static_cast<std::uint8_t>(i * 3 + 2)) << i;
+  }
+}

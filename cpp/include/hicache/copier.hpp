@@ -7,6 +7,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <span>
 
 #include "hicache/device.hpp"
@@ -21,6 +22,10 @@ enum class Direction { kToHost, kToDevice };
 struct PageMove {
   std::int64_t block = 0;
   std::byte* host = nullptr;
+  /// Stores only, when not null: a copier that reads every byte as it copies (the CPU copier)
+  /// sets it to the page's checksum (page_checksum of its host bytes, tier_record.hpp), so that a
+  /// cache with a tier need not read the page again to write it there. Others leave it alone.
+  std::optional<std::uint64_t>* checksum = nullptr;
 };
 
 /// Completion marker of everything enqueued on a stream before it was recorded.

@@ -36,6 +36,7 @@
 namespace hicache {
 
 class TierLink;
+struct TierGate;
 
 class HostPrefixCache {
  public:
@@ -137,17 +138,18 @@ class HostPrefixCache {
     std::vector<Entry*> pages;
     std::vector<Entry*> states;
     std::vector<Key> parents;  // with a tier: each stored page's parent key (salt digest first)
+    // With a tier: each stored page's checksum, where the copier summed it as it copied (CPU).
+    std::vector<std::optional<std::uint64_t>> checksums;
   };
 
   std::int64_t retire_completed();
   void finish(Transfer& t);
   // With a tier: queues a completed store's pages for writing (pinned until copied out).
   void write_to_tier(Transfer& t);
-  // Puts pages fetched from the tier for keys[from..] into host memory, linked to the chain the
-  // prompt has cached before them. @return pages put there. Lock held.
-  std::int64_t adopt_fetched(std::span<const Key> keys, std::span<const std::int32_t> prompt,
-                             std::string_view salt, std::size_t from,
-                             std::span<const TierPage> pages);
+  // The cache's side of its TierLink (host_prefix_cache.cpp): host slots for the pages a fetch
+  // gets from the tier, linked to the chain the prompt has cached before them, published once
+  // checked.
+  struct TierSide;
   // The serial of salt's chain root, created if needed (stores only).
   std::uint64_t intern_root(std::string_view salt);
   // 0 if no root exists for salt: lookups never create one, so a miss costs no memory.
@@ -181,6 +183,9 @@ class HostPrefixCache {
   CacheConfig config_;
   std::vector<std::int64_t> state_parts_;  // bytes of each part of a state
   std::vector<std::size_t> layer_starts_;  // first segment of each layer group, and the end
+  // With a tier: the tier and the lock that keeps its calls one at a time, shared by link_ and
+  // the page pool's memory, which the tier is told about as it is allocated (before mover_).
+  std::shared_ptr<TierGate> tier_gate_;
   // The copier half (the engine's segments, the page pool and the copier) and the index half
   // (pages, admission, eviction, serials) of the split API: try_resume and store are the
   // one-call form of their steps. The catalog's index is used under mu_ (entries carry tokens).

@@ -7,6 +7,7 @@
 // make_shared_memory_allocator): then a slot written by one process is read by any other.
 
 #include <cstdint>
+#include <functional>
 #include <list>
 #include <memory>
 #include <mutex>
@@ -41,11 +42,19 @@ class SlotMover {
   /// @param pin_in_background memory that is slow to allocate (pinned) is allocated chunk after
   ///        chunk by a background thread from construction on, and a slot whose chunk is not
   ///        there yet has no address (slot_address() is nullptr); false: all of it at once.
+  /// @param slot_extra_bytes room after each slot's page that copies never touch (a cache with
+  ///        a tier writes the page's record there, so a value goes to the tier straight from
+  ///        the slot).
+  /// @param wrap_memory if set, given the memory slots come from (pinned, for CUDA) and returns
+  ///        what the pool uses instead (a cache with a tier registers each chunk with it).
   /// @throws std::invalid_argument for a bad layout or segments the copier cannot reach.
   SlotMover(std::vector<Segment> segments, Device device, std::int64_t num_slots,
             std::shared_ptr<Copier> copier = nullptr,
             std::shared_ptr<HostAllocator> memory = nullptr,
-            std::size_t chunk_bytes = std::size_t{1} << 30, bool pin_in_background = false);
+            std::size_t chunk_bytes = std::size_t{1} << 30, bool pin_in_background = false,
+            std::size_t slot_extra_bytes = 0,
+            const std::function<std::shared_ptr<HostAllocator>(std::shared_ptr<HostAllocator>)>&
+                wrap_memory = {});
   /// Waits for every job in flight.
   ~SlotMover();
   SlotMover(const SlotMover&) = delete;

@@ -53,12 +53,15 @@ class Tier {
   /// second, the Python Mooncake backend's own put of 64 MiB ran 22 % slower on a 2-core host
   /// (each poll takes the GIL and a share of a core from the client's transfer threads).
   virtual bool wait(std::int64_t /*batch*/, std::chrono::microseconds /*timeout*/) { return false; }
-  /// Called once, before any put or get: the two buffers every value hicache puts is read from
-  /// and every value it gets is written to, for the cache's life. A backend that moves data
-  /// without copies (Mooncake Store's batch_put_from / batch_get_into) registers them here.
-  virtual void use_buffers(std::span<std::byte> /*puts*/, std::span<std::byte> /*gets*/) {}
-  /// Called once when the cache is done with them (no batch uses them any more): unregister.
-  virtual void release_buffers(std::span<std::byte> /*puts*/, std::span<std::byte> /*gets*/) {}
+  /// Called for each region of host memory that values are put from or got into, before any
+  /// put or get uses it: the host pool's memory, chunk by chunk as the pool grows (values go to
+  /// and come from host slots directly: each slot has room for its page's record after the
+  /// page). A backend that moves data without copies (Mooncake Store's batch_upsert_from /
+  /// batch_get_into) registers them here. May be called from the pool's background thread,
+  /// never beside another call.
+  virtual void use_memory(std::span<std::byte> /*region*/) {}
+  /// Called once the cache is done with a region use_memory named (no batch uses it any more).
+  virtual void release_memory(std::span<std::byte> /*region*/) {}
 };
 
 /// How a host miss uses the tier (CacheConfig::tier). Pages reach the tier when the host stores
@@ -72,9 +75,9 @@ struct TierOptions {
   std::int64_t wait_us = 50000;
   /// Pages waiting to be written to the tier; a store beyond that is dropped (counted).
   std::int64_t queue_pages = 4096;
-  /// Bytes of each of the two buffers values go through (use_buffers): puts and gets move half
-  /// of it at a time (at least one page): one half crosses the network while the other is
-  /// encoded or checked.
+  /// Values in flight at most, in bytes: puts and gets move half of it at a time (at least one
+  /// page), one batch crossing the network while the next one's records are written (puts) or
+  /// the last one's values checked (gets). Values go straight from and into host slots.
   std::int64_t buffer_bytes = std::int64_t{128} << 20;
   /// Names the model and its KV format in every value's name and record, so caches of other
   /// models or versions sharing the store never read each other's pages. Give each model

@@ -1,10 +1,13 @@
 #pragma once
-// The value hicache writes to a tier for one page: a record that lets any reader, on any host,
-// check the page as exactly as a host page, followed by the page's bytes.
+// The value hicache writes to a tier for one page: the page's bytes, followed by a record that
+// lets any reader, on any host, check the page as exactly as a host page.
 //
-//   magic "hicache3" | space key (16) | page key (16) | parent key (16) | tokens (u32) |
+//   page | magic "hicache4" | space key (16) | page key (16) | parent key (16) | tokens (u32) |
 //   reserved (u32) | page bytes (u64) | page checksum (u64) | tokens as int32 |
-//   zeros to a multiple of 64 bytes | page
+//   zeros to a multiple of 64 bytes
+//
+// The record comes last so that a value can be put straight from a host slot: a cache with a
+// tier gives each slot room for its page's record after the page, and writes the record there.
 //
 // The parent key of page 0 is the salt's digest, so tenants stay apart across hosts too. A
 // value is accepted only if every field matches what the reader computed from its own prompt,
@@ -33,10 +36,20 @@ Key tier_salt_digest(std::string_view salt);
 /// The value's name in the tier: "hicache/<space>/<key>" in hex.
 std::string tier_value_name(const Key& space, const Key& key);
 
-/// Bytes of one value: the record for `block_tokens` tokens and the page.
+/// Bytes of the record for a page of `block_tokens` tokens.
+std::size_t tier_record_bytes(std::int64_t block_tokens);
+
+/// Bytes of one value: the page and its record.
 std::size_t tier_value_bytes(std::int64_t block_tokens, std::size_t page_bytes);
 
-/// Writes a page's value (tier_value_bytes(tokens.size(), page.size()) bytes) to `out`.
+/// Writes the record of a page of `page_bytes` whose checksum (page_checksum) is `checksum` to
+/// `out` (tier_record_bytes(tokens.size()) bytes; right after the page, the value is whole).
+void write_tier_record(std::byte* out, const Key& space, const Key& key, const Key& parent,
+                       std::span<const std::int32_t> tokens, std::size_t page_bytes,
+                       std::uint64_t checksum);
+
+/// Writes a page's value (tier_value_bytes(tokens.size(), page.size()) bytes) to `out`: the
+/// page, copied and summed in one pass, then its record.
 void encode_tier_value(std::byte* out, const Key& space, const Key& key, const Key& parent,
                        std::span<const std::int32_t> tokens, std::span<const std::byte> page);
 
