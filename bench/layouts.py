@@ -8,13 +8,16 @@ Every time is wall time from before the call until its stream is done, so the ca
 time counts; each is the best of ``--reps``. Printed per point: the path, the store and load
 ratios (contiguous time / hicache time), and the both-at-once ratio (a store on one stream and a
 load on another, against two contiguous copies on two streams). ``--cpu-cost`` instead times the
-CPU part of single calls (until they return) for several batch sizes.
+CPU part of single calls (until they return) for several batch sizes. ``--mover`` also times the
+split API's copy half (``SlotMover``) moving the same pages between shuffled slots and blocks: no
+hashing, no index, only the copy path, i.e. that path's own limit at the point.
 
 Engine blocks and host slots are both shuffled, as in a cache that has run for a while.
 
     python bench/layouts.py                        # the grid, default options
     python bench/layouts.py --paths dma,staged,kernel --pages 1024
     python bench/layouts.py --cpu-cost
+    python bench/layouts.py --mover --no-both     # the one-call API beside its copy half
 """
 
 from __future__ import annotations
@@ -201,6 +204,25 @@ class Point:
         r["gbps_contiguous_h2d"] = nbytes / r["h2d_s"] / 1e9
         return r
 
+    def measure_mover(self, reps: int, r: dict[str, float]) -> None:
+        """The split API's copy half over the same segments: the same pages between shuffled
+        host slots and engine blocks, with no hashing and no index (the copy path's own limit)."""
+        nslots = 2 * self.pages
+        mover = hicache._core.SlotMover(self.segs, nslots, "auto", None, False, 1 << 30)
+        slots = torch.tensor(random.Random(self.chunk + self.nseg).sample(range(nslots), self.pages))
+        src, dst = torch.tensor(self.sources), torch.tensor(self.targets)
+        handle = self.s1.cuda_stream if self.s1 is not None else 0
+
+        def tidy() -> None:
+            self.wait()
+            mover.finished()
+
+        r["mover_store_s"] = best_wall(lambda: mover.submit(True, slots, src, handle), self.wait, tidy, reps)
+        r["mover_load_s"] = best_wall(lambda: mover.submit(False, slots, dst, handle), self.wait, tidy, reps)
+        r["mover_store"] = r["d2h_s"] / r["mover_store_s"]
+        r["mover_load"] = r["h2d_s"] / r["mover_load_s"]
+        self.mover_path = mover.copy_path
+
 
 def grid(chunks: list[int], segments: list[int]) -> list[tuple[int, int]]:
     return [(c * KIB, n) for c in chunks for n in segments if c * KIB * n <= MAX_PAGE]
@@ -218,11 +240,12 @@ def run_grid(args: argparse.Namespace) -> None:
         f"{torch.cuda.get_device_name() if DEVICE == 'cuda' else 'cpu'}",
         flush=True,
     )
+    mover = " SlotMover: path, store, load |" if args.mover else ""
     print(
         "| chunk | segments | page | pages | path | store | load | both | store, load vs 1.05x+100us "
-        "| contiguous GB/s | pinned in |"
+        f"| contiguous GB/s | pinned in |{mover}"
     )
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |", flush=True)
+    print("| --- " * (11 + bool(args.mover)) + "|", flush=True)
     results = []
     for chunk, nseg in points:
         for wanted in args.pages:
@@ -231,6 +254,8 @@ def run_grid(args: argparse.Namespace) -> None:
                 try:
                     p = Point(chunk, nseg, pages, path, capacity=2, staging=mib << 20)
                     r = p.measure(args.reps, both=not args.no_both)
+                    if args.mover:
+                        p.measure_mover(args.reps, r)
                 except Failed as e:
                     print(f"| {chunk // KIB} KiB | {nseg} | | {pages} | {path} | failed: {e} |", flush=True)
                     continue
@@ -241,10 +266,13 @@ def run_grid(args: argparse.Namespace) -> None:
                     with open(args.json, "w") as f:
                         json.dump(results, f, indent=1)
                 page = f"{chunk * nseg / 2**20:.2f} MiB"
+                moved = (
+                    f" {p.mover_path}, {r['mover_store']:.3f}, {r['mover_load']:.3f} |" if args.mover else ""
+                )
                 print(
                     f"| {chunk // KIB} KiB | {nseg} | {page} | {pages} | {label} | {r['store']:.3f} | "
                     f"{r['load']:.3f} | {r['both']:.3f} | {r['store_target']:.2f}, {r['load_target']:.2f} "
-                    f"| {r['gbps_contiguous_h2d']:.1f} | {p.pin_s:.2f} s |",
+                    f"| {r['gbps_contiguous_h2d']:.1f} | {p.pin_s:.2f} s |{moved}",
                     flush=True,
                 )
                 del p
@@ -297,6 +325,7 @@ def main() -> None:
     ap.add_argument("--json", default="", help="also write every result here, as it comes")
     ap.add_argument("--no-both", action="store_true", help="skip the both-directions-at-once runs")
     ap.add_argument("--cpu-cost", action="store_true")
+    ap.add_argument("--mover", action="store_true", help="also time SlotMover's copy of the same pages")
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     args = ap.parse_args()
     global DEVICE
