@@ -75,7 +75,7 @@ struct HostPrefixCache::TierSide {
       } else {
         c.pages_.pin(e);
       }
-      round.push_back({e, fresh ? c.mover_.pool().slot(e->slot) : nullptr, fresh});
+      round.push_back({e, fresh ? c.mover_.pool().slot(e->slot) : nullptr, fresh, std::nullopt});
     }
     return round;
   }
@@ -96,6 +96,7 @@ struct HostPrefixCache::TierSide {
       if (!round[j].fetch) continue;
       if (j < kept) {
         e->ready = true;
+        e->unchecked = round[j].unchecked;  // its first load checks its bytes
       } else {
         c.pages_.erase(e);
       }
@@ -159,9 +160,15 @@ HostPrefixCache::HostPrefixCache(std::vector<Segment> segments, Device device, C
       std::lock_guard<std::mutex> g(mu_);
       return TierSide::publish(*this, round, good);
     };
+    // Where the copier sums pages as it copies them (the CPU copier), a fetched page's bytes
+    // are checked by its first load, which copies them anyway, instead of by one more pass
+    // over them when they arrive; not for caches that load layer by layer (a layer's bytes
+    // would reach the engine before the whole page was checked).
+    const bool check_on_load =
+        mover_.copier().sums_pages(mover_.layout()) && config_.layer_segments.empty();
     link_ = std::make_unique<TierLink>(tier_gate_, config_.tier, tier_space_,
                                        mover_.layout().page_bytes(), config_.block_tokens,
-                                       std::move(host));
+                                       check_on_load, std::move(host));
   }
 }
 
@@ -467,37 +474,69 @@ std::int64_t HostPrefixCache::try_resume(std::string_view request_id,
 
   Transfer t;
   t.request = std::string(request_id);
-  t.pages = matched;
   if (state) t.states.push_back(state);
   bool failed = false;
+  // Pages fetched from the tier whose bytes are not checked yet are checked by this load: the
+  // copier sums them as it copies them, and is done when it returns (TierLink's check_on_load).
+  std::vector<std::optional<std::uint64_t>> sums;
   try {
     std::vector<PageMove> moves(h);
-    for (std::size_t i = 0; i < h; ++i)
+    for (std::size_t i = 0; i < h; ++i) {
       moves[i] = {(*blocks)[i], mover_.pool().slot(matched[i]->slot)};
+      if (matched[i]->unchecked) {
+        if (sums.empty()) sums.resize(h);
+        moves[i].checksum = &sums[i];
+      }
+    }
     t.fence = enqueue_load(moves, state ? &*state_out : nullptr,
                            state ? state_pool_->slot(state->slot) : nullptr, stream, layerwise);
   } catch (const Error& e) {
     note_error(e.what());
     failed = true;
   }
+  if (!failed && !sums.empty()) h = check_loaded(matched, sums);
+  t.pages = matched;
   register_transfer(std::move(t), stream, failed);
-  if (failed) {
+  if (failed || h == 0) {
     if (layerwise) *layerwise = LayerwiseLoad();
     return 0;
   }
+  const auto served = static_cast<std::int64_t>(h) * B;
   note_success();
   if (layerwise) {
-    layerwise->tokens_ = tokens;
+    layerwise->tokens_ = served;
     ++stats_.layerwise_loads;
   }
   pages_.touch_chain(matched);
   if (state) states_.touch(state);
   ++stats_.hits;
-  stats_.hit_tokens += tokens;
+  stats_.hit_tokens += served;
   if (h > from_tier) stats_.tier_hit_tokens += static_cast<std::int64_t>(h - from_tier) * B;
   stats_.pages_loaded += static_cast<std::int64_t>(h);
   stats_.states_loaded += state ? 1 : 0;
-  return tokens;
+  return served;
+}
+
+std::size_t HostPrefixCache::check_loaded(std::vector<Entry*>& matched,
+                                          std::span<const std::optional<std::uint64_t>> sums) {
+  std::size_t good = matched.size();
+  for (std::size_t i = 0; i < matched.size(); ++i) {
+    Entry* e = matched[i];
+    if (!e->unchecked) continue;
+    if (sums[i] != e->unchecked) {
+      good = i;
+      break;
+    }
+    e->unchecked.reset();  // checked: a page like any other now
+  }
+  if (good == matched.size()) return good;
+  // The engine's blocks from `good` on hold bytes this call does not report loaded; the page
+  // that failed leaves host memory (its descendants, under it, can no longer be reached).
+  link_->note_rejected("page bytes do not match their checksum (overwritten or torn)");
+  for (std::size_t i = good; i < matched.size(); ++i) pages_.unpin(matched[i]);
+  if (matched[good]->refs == 0) pages_.erase(matched[good]);
+  matched.resize(good);
+  return good;
 }
 
 std::shared_ptr<Fence> HostPrefixCache::enqueue_load(std::span<const PageMove> moves,

@@ -63,6 +63,7 @@ Entry* PrefixIndex::insert(const Key& key, std::uint64_t serial, std::uint64_t p
   e.refs = 1;
   ++busy_;
   e.ready = false;
+  e.unchecked.reset();
   ++children_[parent_serial];
   table_.insert(&e);
   link_mru(&e);

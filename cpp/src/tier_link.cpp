@@ -66,7 +66,7 @@ std::shared_ptr<HostAllocator> tier_memory(std::shared_ptr<HostAllocator> inner,
 }
 
 TierLink::TierLink(std::shared_ptr<TierGate> gate, TierOptions options, Key space,
-                   std::size_t page_bytes, std::int64_t block_tokens, Host host)
+                   std::size_t page_bytes, std::int64_t block_tokens, bool check_on_load, Host host)
     : gate_(std::move(gate)),
       tier_(gate_->tier.get()),
       tier_mu_(gate_->mu),
@@ -79,6 +79,7 @@ TierLink::TierLink(std::shared_ptr<TierGate> gate, TierOptions options, Key spac
       // 128 MiB holds 64 values of 1 MiB pages, not 63 (see Rounds).
       round_pages_(std::max<std::size_t>(
           1, static_cast<std::size_t>(options_.buffer_bytes) / kRing / page_bytes_)),
+      check_on_load_(check_on_load),
       host_(std::move(host)) {
   worker_ = std::thread([this] { run(); });
 }
@@ -312,15 +313,17 @@ bool TierLink::land_round(const FetchSpec& spec, Round& round, Clock::time_point
     results = std::move(*r);
   }
   next();
-  // Each value is checked where it landed (record, then the page against its checksum), on
-  // several threads for a large round; the first page that fails ends what is kept.
+  // Each value is checked where it landed (its record, then its page against the recorded
+  // checksum, unless the page's first load will), on several threads for a large round; the
+  // first page that fails ends what is kept.
   const auto B = static_cast<std::size_t>(block_tokens_);
   const Key root = tier_salt_digest(spec.salt);
   enum Verdict : char { kGood, kMissing, kRejected, kFailed };
   std::vector<char> verdict(fetched.size(), kFailed);
   std::vector<std::string> why(fetched.size());
   if (results.size() == fetched.size()) {
-    detail::for_each_page(fetched.size(), page_bytes_, [&](std::size_t k) {
+    // Records only (check_on_load): too little work for threads.
+    detail::for_each_page(fetched.size(), check_on_load_ ? 0 : page_bytes_, [&](std::size_t k) {
       const std::int64_t x = results[k];
       if (x < 0) {
         verdict[k] = x == Tier::kMissing ? kMissing : kFailed;
@@ -332,6 +335,9 @@ bool TierLink::land_round(const FetchSpec& spec, Round& round, Clock::time_point
           i == 0 ? root : spec.keys[i - 1], spec.prompt.subspan(i * B, B), page_bytes_, why[k]);
       if (page.bytes.empty()) {
         verdict[k] = kRejected;
+      } else if (check_on_load_) {
+        round.slots[fetched[k]].unchecked = page.checksum;
+        verdict[k] = kGood;
       } else if (page_checksum(page.bytes) != page.checksum) {
         why[k] = "page bytes do not match their checksum (overwritten or torn)";
         verdict[k] = kRejected;
@@ -420,6 +426,12 @@ bool TierLink::settle() {
   }
   for (LateGet& late : ended) host_.publish(late.slots, 0);
   return late_gets_.empty();
+}
+
+void TierLink::note_rejected(const std::string& why) {
+  std::lock_guard<std::mutex> g(mu_);
+  ++counters_.tier_pages_rejected;
+  counters_.tier_last_error = "tier value rejected: " + why;
 }
 
 void TierLink::add_stats(CacheStats& s) const {

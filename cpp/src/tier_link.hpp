@@ -72,6 +72,9 @@ class TierLink {
     Entry* entry = nullptr;  ///< pinned until published
     std::byte* bytes = nullptr;
     bool fetch = false;  ///< inserted pending by reserve (else host memory had the page)
+    /// Set by the fetch when it leaves the page's bytes to be checked as they are first loaded
+    /// (check_on_load): the checksum its record gave.
+    std::optional<std::uint64_t> unchecked;
   };
   /// A background fetch: pages [from, max_pages) of a prompt under a salt. The tier thread
   /// hashes the keys (off the engine's thread) before it fetches.
@@ -99,8 +102,12 @@ class TierLink {
     std::function<std::size_t(std::span<const Slot> round, std::size_t good)> publish;
   };
 
+  /// @param check_on_load fetched pages are checked against their records, and their bytes
+  ///        against the recorded checksum only when they are first loaded, by the copier that
+  ///        sums them as it copies (Copier::sums_pages); false: their bytes are checked here,
+  ///        before they are published.
   TierLink(std::shared_ptr<TierGate> gate, TierOptions options, Key space, std::size_t page_bytes,
-           std::int64_t block_tokens, Host host);
+           std::int64_t block_tokens, bool check_on_load, Host host);
   /// Writes what is queued, waits for batches in flight, stops the thread.
   ~TierLink();
   TierLink(const TierLink&) = delete;
@@ -117,6 +124,9 @@ class TierLink {
   bool prefetch(FetchJob job);
   /// Waits until the queue is empty and nothing is in flight (tests, shutdown).
   void drain();
+
+  /// A fetched page whose bytes did not match their checksum when first loaded (a miss there).
+  void note_rejected(const std::string& why);
 
   /// Adds the tier's counters to `s`.
   void add_stats(CacheStats& s) const;
@@ -169,6 +179,7 @@ class TierLink {
   std::int64_t block_tokens_;
   std::size_t value_bytes_;
   std::size_t round_pages_;  // values one round of a put or a get moves
+  bool check_on_load_;
   Host host_;
 
   std::mutex get_mu_;  // one fetch at a time (two gets at once were slower than in turn)

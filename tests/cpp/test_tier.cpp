@@ -359,45 +359,56 @@ TEST(Tier, RoundsHoldWholePagesAndAreOfEqualSize) {
 }
 
 TEST(Tier, ALargeRunIsCheckedOnSeveralThreadsAndEndsAtTheFirstBadPage) {
-  // 16 pages of 1 MiB: fetched pages are copied and checked on several threads (and written on
-  // several). A flipped byte in page 9 ends the prefix there: pages 0-8 served byte for byte,
-  // page 9 and the pages after it never published (their slots given back).
+  // 16 pages of 1 MiB. A flipped byte in page 9 ends the prefix there: pages 0-8 served byte for
+  // byte, page 9 never served, now or when the prompt comes again. A cache that loads layer by
+  // layer checks fetched pages as they arrive (on several threads for a large run): page 9 and
+  // the pages after it are never published. One whose CPU copier sums pages as it copies them
+  // publishes them unchecked and checks each page's bytes as its first load copies them: page 9
+  // is found there, and the load ends before it.
   constexpr std::size_t kPage = std::size_t{1} << 20;
-  for (const bool damage : {false, true}) {
-    SCOPED_TRACE(damage ? "page 9 damaged" : "intact (the control)");
-    auto tier = std::make_shared<MemoryTier>();
-    CacheConfig c;
-    c.block_tokens = kB;
-    c.capacity_pages = 32;
-    c.admission = hicache::Admission::kAlways;
-    std::vector<std::uint8_t> kv_a(16 * kPage), kv_b(16 * kPage, 0);
-    std::mt19937 rng(5);
-    for (auto& x : kv_a) x = static_cast<std::uint8_t>(rng());
-    HostPrefixCache a({{kv_a.data(), 16, kPage, kPage}}, hicache::Device{}, c, nullptr, tier);
-    HostPrefixCache b({{kv_b.data(), 16, kPage, kPage}}, hicache::Device{}, c, nullptr, tier);
-    const auto prompt = tokens(16 * kB + 1, 7);
-    ASSERT_EQ(a.store("a", prompt, ids(0, 16)), 16);
-    a.flush_tier();
-    ASSERT_EQ(a.stats().tier_pages_written, 16);
-    if (damage) {
-      const auto keys = hicache::chain_keys("", prompt, kB);
-      const auto space = hicache::tier_space("default", a.layout(), kB, 128);
-      ASSERT_TRUE(tier->edit(hicache::tier_value_name(space, keys[9]),
-                             [](auto& v) { v[v.size() / 2] ^= std::byte{0x40}; }));
+  for (const bool on_load : {false, true}) {
+    for (const bool damage : {false, true}) {
+      SCOPED_TRACE(std::string(on_load ? "checked by the load" : "checked on arrival") +
+                   (damage ? ", page 9 damaged" : ", intact (the control)"));
+      auto tier = std::make_shared<MemoryTier>();
+      CacheConfig c;
+      c.block_tokens = kB;
+      c.capacity_pages = 32;
+      c.admission = hicache::Admission::kAlways;
+      std::vector<std::uint8_t> kv_a(16 * kPage), kv_b(16 * kPage, 0);
+      std::mt19937 rng(5);
+      for (auto& x : kv_a) x = static_cast<std::uint8_t>(rng());
+      HostPrefixCache a({{kv_a.data(), 16, kPage, kPage}}, hicache::Device{}, c, nullptr, tier);
+      if (!on_load) c.layer_segments = {1};
+      HostPrefixCache b({{kv_b.data(), 16, kPage, kPage}}, hicache::Device{}, c, nullptr, tier);
+      const auto prompt = tokens(16 * kB + 1, 7);
+      ASSERT_EQ(a.store("a", prompt, ids(0, 16)), 16);
+      a.flush_tier();
+      ASSERT_EQ(a.stats().tier_pages_written, 16);
+      if (damage) {
+        const auto keys = hicache::chain_keys("", prompt, kB);
+        const auto space = hicache::tier_space("default", a.layout(), kB, 128);
+        ASSERT_TRUE(tier->edit(hicache::tier_value_name(space, keys[9]),
+                               [](auto& v) { v[v.size() / 2] ^= std::byte{0x40}; }));
+      }
+      const std::int64_t good = damage ? 9 : 16;
+      const auto blocks = [](std::int64_t n) {
+        return std::optional<std::vector<std::int64_t>>(ids(0, n / kB));
+      };
+      EXPECT_EQ(b.try_resume("b", prompt, blocks), good * kB);
+      EXPECT_TRUE(std::equal(kv_b.begin(), kv_b.begin() + good * kPage, kv_a.begin()));
+      auto s = b.stats();
+      EXPECT_EQ(s.tier_pages_rejected, damage ? 1 : 0);
+      EXPECT_EQ(s.tier_pages_fetched, on_load ? 16 : good);
+      b.poll();
+      EXPECT_EQ(b.stats().pages_busy, 0);
+      if (!on_load) EXPECT_EQ(b.stats().pages_used, good);
+      // The prompt again: the same pages, never page 9.
+      std::fill(kv_b.begin(), kv_b.end(), 0);
+      EXPECT_EQ(b.try_resume("b2", prompt, blocks), good * kB);
+      EXPECT_TRUE(std::equal(kv_b.begin(), kv_b.begin() + good * kPage, kv_a.begin()));
+      EXPECT_EQ(b.stats().tier_pages_rejected, damage ? 2 : 0);
     }
-    const std::int64_t good = damage ? 9 : 16;
-    EXPECT_EQ(b.try_resume("b", prompt,
-                           [](std::int64_t n) {
-                             return std::optional<std::vector<std::int64_t>>(ids(0, n / kB));
-                           }),
-              good * kB);
-    EXPECT_TRUE(std::equal(kv_b.begin(), kv_b.begin() + good * kPage, kv_a.begin()));
-    const auto s = b.stats();
-    EXPECT_EQ(s.tier_pages_rejected, damage ? 1 : 0);
-    EXPECT_EQ(s.tier_pages_fetched, good);
-    b.poll();
-    EXPECT_EQ(b.stats().pages_used, good);
-    EXPECT_EQ(b.stats().pages_busy, 0);
   }
 }
 

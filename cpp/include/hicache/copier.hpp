@@ -22,9 +22,10 @@ enum class Direction { kToHost, kToDevice };
 struct PageMove {
   std::int64_t block = 0;
   std::byte* host = nullptr;
-  /// Stores only, when not null: a copier that reads every byte as it copies (the CPU copier)
-  /// sets it to the page's checksum (page_checksum of its host bytes, tier_record.hpp), so that a
-  /// cache with a tier need not read the page again to write it there. Others leave it alone.
+  /// When not null, a copier that sums pages (Copier::sums_pages: the CPU copier) sets it to the
+  /// page's checksum (page_checksum of its host bytes, tier_record.hpp) as it copies it, either
+  /// way: a cache with a tier then need not read the page again to write it there (stores) or to
+  /// check a page fetched from there (loads). Others leave it alone.
   std::optional<std::uint64_t>* checksum = nullptr;
 };
 
@@ -84,6 +85,13 @@ class Copier {
   /// Bytes a second of recent loads (host to engine), as this copier measured them (a decayed
   /// average weighted by bytes, competing traffic included); 0 until one was measured.
   virtual double load_bytes_per_s() const { return 0.0; }
+
+  /// Whether copy_pages sets PageMove::checksum for pages of `layout`, both ways, before it
+  /// returns (the CPU copier, for layouts whose segments are whole kilobytes but the last).
+  virtual bool sums_pages(const PageLayout& layout) const {
+    (void)layout;
+    return false;
+  }
 
   /// How pages move, for users and logs: "cpu", "deferred", "null"; the CUDA copier, once
   /// bound: "dma", "staged" or "kernel".

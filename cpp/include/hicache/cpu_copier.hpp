@@ -25,6 +25,7 @@ class CpuCopier : public Copier {
   std::unique_ptr<Fence> record(StreamHandle stream) override;
   std::shared_ptr<HostAllocator> host_allocator() override { return allocator_; }
   bool supports(Device device) const override { return device.kind == DeviceKind::kCpu; }
+  bool sums_pages(const PageLayout& layout) const override;
   const char* path() const override { return "cpu"; }
   double load_bytes_per_s() const override { return load_rate_.bytes_per_s(); }
 

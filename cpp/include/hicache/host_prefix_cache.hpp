@@ -143,6 +143,11 @@ class HostPrefixCache {
   };
 
   std::int64_t retire_completed();
+  // After a load that summed pages fetched from the tier whose bytes were not checked yet
+  // (sums[i] for each unchecked matched[i]): the pages before the first that failed are
+  // checked now; that one is erased and the hit ends before it. Returns the pages kept.
+  std::size_t check_loaded(std::vector<Entry*>& matched,
+                           std::span<const std::optional<std::uint64_t>> sums);
   void finish(Transfer& t);
   // With a tier: queues a completed store's pages for writing (pinned until copied out).
   void write_to_tier(Transfer& t);

@@ -29,6 +29,9 @@ struct Entry {
   std::int64_t slot = -1;            ///< host slot holding the bytes
   std::int32_t refs = 0;             ///< transfers (or an ongoing call) holding the entry
   bool ready = false;                ///< device-to-host copy completed: hit-able
+  /// Pages fetched from a tier into a cache whose copier checks pages as it loads them: the
+  /// checksum the page's bytes must have, until its first load checked them.
+  std::optional<std::uint64_t> unchecked;
 
   Entry* lru_prev = nullptr;  ///< towards least recently used
   Entry* lru_next = nullptr;  ///< towards most recently used
