@@ -402,7 +402,9 @@ TEST(Tier, ALargeRunIsCheckedOnSeveralThreadsAndEndsAtTheFirstBadPage) {
       EXPECT_EQ(s.tier_pages_fetched, on_load ? 16 : good);
       b.poll();
       EXPECT_EQ(b.stats().pages_busy, 0);
-      if (!on_load) EXPECT_EQ(b.stats().pages_used, good);
+      if (!on_load) {
+        EXPECT_EQ(b.stats().pages_used, good);
+      }
       // The prompt again: the same pages, never page 9.
       std::fill(kv_b.begin(), kv_b.end(), 0);
       EXPECT_EQ(b.try_resume("b2", prompt, blocks), good * kB);
