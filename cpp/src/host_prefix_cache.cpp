@@ -113,7 +113,7 @@ HostPrefixCache::HostPrefixCache(std::vector<Segment> segments, Device device, C
                                  std::shared_ptr<Copier> copier, std::shared_ptr<Tier> tier)
     : config_(config.normalized()),
       state_parts_(config_.state_part_bytes()),
-      tier_gate_(tier ? std::make_shared<TierGate>(std::move(tier)) : nullptr),
+      tier_gate_(tier ? TierGate::of(tier) : nullptr),
       // Pinning is slow: pinned pools are pinned at start-up, or in the background from
       // start-up on, off the engine's thread (see CacheConfig::pin_upfront). With a tier, each
       // slot has room for its page's record, and the tier is told about the pool's memory.

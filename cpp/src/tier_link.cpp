@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <exception>
+#include <map>
 
 #include "hicache/hash_chain.hpp"
 #include "hicache/tier_record.hpp"
@@ -59,6 +60,18 @@ class TierMemory final : public HostAllocator {
 };
 
 }  // namespace
+
+std::shared_ptr<TierGate> TierGate::of(const std::shared_ptr<Tier>& tier) {
+  static std::mutex mu;
+  static std::map<const Tier*, std::weak_ptr<TierGate>> gates;  // a gate keeps its tier alive
+  std::lock_guard<std::mutex> g(mu);
+  std::erase_if(gates, [](const auto& kv) { return kv.second.expired(); });
+  std::weak_ptr<TierGate>& known = gates[tier.get()];
+  if (auto gate = known.lock()) return gate;
+  auto gate = std::make_shared<TierGate>(tier);
+  known = gate;
+  return gate;
+}
 
 std::shared_ptr<HostAllocator> tier_memory(std::shared_ptr<HostAllocator> inner,
                                            std::shared_ptr<TierGate> gate) {

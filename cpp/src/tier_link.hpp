@@ -31,13 +31,17 @@
 
 namespace hicache {
 
-/// A tier and the lock that keeps its calls one at a time (Tier's rule), shared by a cache's
-/// TierLink and its page pool's memory (tier_memory).
+/// A tier and the lock that keeps its calls one at a time (Tier's rule), shared by the TierLink
+/// and the page pool's memory (tier_memory) of every cache that uses the same backend object.
 struct TierGate {
+  /// The gate of `tier`: one per backend object while any cache uses it, so that its calls are
+  /// one at a time however many caches share it (a process's caches share one MooncakeTier).
+  static std::shared_ptr<TierGate> of(const std::shared_ptr<Tier>& tier);
   explicit TierGate(std::shared_ptr<Tier> t) : tier(std::move(t)) {}
   std::shared_ptr<Tier> tier;
   std::mutex mu;
-  // use_memory refusals (the memory is used all the same; puts from it then fail), under mu.
+  // use_memory refusals, by any cache using the backend (the memory is used all the same; puts
+  // from it then fail), under mu.
   std::int64_t memory_errors = 0;
   std::string memory_error;
 };

@@ -877,3 +877,116 @@ TEST(Tier, SlotsOfAGetGivenUpOnAreNotReusedBeforeItEnds) {
     ASSERT_EQ(kv_b[8 * kBlockBytes + i], static_cast<std::uint8_t>(i * 3 + 2)) << i;
   }
 }
+
+namespace {
+
+// A MemoryTier that notes the most calls it ever had running at once (wait aside); each put and
+// get takes a little while, as a network's would.
+class OverlapTier final : public hicache::Tier {
+ public:
+  std::string name() const override { return "overlap"; }
+  std::int64_t put(std::span<const std::string> names, std::span<const std::byte* const> values,
+                   std::span<const std::size_t> sizes) override {
+    Call c(*this);
+    return inner.put(names, values, sizes);
+  }
+  std::int64_t get(std::span<const std::string> names, std::span<std::byte* const> dests,
+                   std::size_t capacity) override {
+    Call c(*this);
+    return inner.get(names, dests, capacity);
+  }
+  std::int64_t exists(std::span<const std::string> names) override {
+    Call c(*this);
+    return inner.exists(names);
+  }
+  std::optional<std::vector<std::int64_t>> poll(std::int64_t batch) override {
+    Call c(*this);
+    return inner.poll(batch);
+  }
+  MemoryTier inner;
+  std::atomic<int> running{0}, most{0};
+
+ private:
+  struct Call {
+    explicit Call(OverlapTier& t) : t_(t) {
+      const int now = ++t_.running;
+      int seen = t_.most.load();
+      while (now > seen && !t_.most.compare_exchange_weak(seen, now)) {
+      }
+      std::this_thread::sleep_for(std::chrono::microseconds(200));
+    }
+    ~Call() { --t_.running; }
+    OverlapTier& t_;
+  };
+};
+
+// Forwards every call to another backend object (a second object over the same store).
+class ForwardingTier final : public hicache::Tier {
+ public:
+  explicit ForwardingTier(std::shared_ptr<hicache::Tier> to) : to_(std::move(to)) {}
+  std::string name() const override { return to_->name(); }
+  std::int64_t put(std::span<const std::string> n, std::span<const std::byte* const> v,
+                   std::span<const std::size_t> s) override {
+    return to_->put(n, v, s);
+  }
+  std::int64_t get(std::span<const std::string> n, std::span<std::byte* const> d,
+                   std::size_t c) override {
+    return to_->get(n, d, c);
+  }
+  std::int64_t exists(std::span<const std::string> n) override { return to_->exists(n); }
+  std::optional<std::vector<std::int64_t>> poll(std::int64_t b) override { return to_->poll(b); }
+
+ private:
+  std::shared_ptr<hicache::Tier> to_;
+};
+
+}  // namespace
+
+TEST(Tier, CachesSharingABackendNeverCallItTwiceAtOnce) {
+  // Two caches over one backend object, each stored into and read from by its own thread while
+  // their tier threads write: the backend never has two calls running. The control gives each
+  // cache its own object forwarding to the same backend, which hicache cannot tell apart from two
+  // stores: there, calls overlap (which shows the count sees it when they do).
+  for (const bool shared : {true, false}) {
+    SCOPED_TRACE(shared ? "one backend object" : "two objects over it (the control)");
+    auto tier = std::make_shared<OverlapTier>();
+    std::shared_ptr<hicache::Tier> for_a = tier, for_b = tier;
+    if (!shared) {
+      for_a = std::make_shared<ForwardingTier>(tier);
+      for_b = std::make_shared<ForwardingTier>(tier);
+    }
+    CacheConfig c;
+    c.block_tokens = kB;
+    c.capacity_pages = 8;
+    c.admission = hicache::Admission::kAlways;
+    std::vector<std::uint8_t> kv_a(16 * kBlockBytes, 1), kv_b(16 * kBlockBytes, 2);
+    HostPrefixCache a({{kv_a.data(), 16, kBlockBytes, kBlockBytes}}, hicache::Device{}, c, nullptr,
+                      for_a);
+    HostPrefixCache b({{kv_b.data(), 16, kBlockBytes, kBlockBytes}}, hicache::Device{}, c, nullptr,
+                      for_b);
+    auto work = [&](HostPrefixCache& cache, std::int32_t base) {
+      for (std::int32_t i = 0; i < 40; ++i) {
+        const auto prompt = tokens(4 * kB + 1, base + i * 1000);
+        cache.store("s", prompt, ids(0, 4));
+        cache.poll();
+        cache.forget("s");
+        cache.try_resume("r", tokens(4 * kB + 1, (base ^ 1) + i * 1000), [](std::int64_t n) {
+          return std::optional<std::vector<std::int64_t>>(ids(8, n / kB));
+        });
+        cache.poll();
+        cache.forget("r");
+      }
+    };
+    std::thread ta([&] { work(a, 10); });
+    std::thread tb([&] { work(b, 11); });
+    ta.join();
+    tb.join();
+    a.flush_tier();
+    b.flush_tier();
+    if (shared) {
+      EXPECT_EQ(tier->most, 1);
+    } else {
+      EXPECT_GT(tier->most, 1);
+    }
+  }
+}

@@ -7,7 +7,8 @@
 // A backend moves opaque values by name, in batches, asynchronously: each call starts a batch
 // and returns its id; poll() reports its results once it completed, as a copier's fence does.
 // Backends may be C++ or Python (the nanobind module has a trampoline), and are called from
-// hicache's tier thread and from the engine's threads, never two calls at once (except wait).
+// hicache's tier threads and from the engine's threads, never two calls at once (except wait),
+// however many caches share the backend object.
 //
 // What hicache puts in a value is a record (tier_record.hpp) that lets the reader check the
 // page as exactly as a host page: a missing, stale, truncated or foreign value is a miss.
