@@ -12,7 +12,11 @@ the storing request's own pages) by a score, so that scores which are not an ord
   how long it has waited, from the distribution of reuse gaps of its class measured on the whole
   trace beforehand (an oracle on the distribution, not on each page's future). A page's class is
   its prompt's: how much of the prompt was seen before (quarters), how often its deepest seen
-  page was seen (the conversation's turn, up to 8), and how long ago (log2 buckets).
+  page was seen (the conversation's turn, up to 8), and how long ago (log2 buckets);
+- ``hazard-out``: the same, the classes split further by the request's output length (log2
+  buckets of 25 tokens, from the trace's ``output_length``): a conversation's next turn comes
+  later after a longer answer (median gap on the conversation trace: 50 s after answers under 100
+  tokens, 96 s after 300-600, 129 s after 600-2000).
 
 Admission: ``always``; ``ghost<k>`` (while the pool is full, only pages whose key was in the last
 k pools' worth of prompt keys); ``oracle`` (only pages read again); ``sample<q>`` (ghost4, and
@@ -26,7 +30,9 @@ m: TinyLFU's comparison with the hazard's estimate).
 
 from __future__ import annotations
 
+import argparse
 import bisect
+import json
 import math
 import random
 from collections import Counter, OrderedDict
@@ -61,29 +67,36 @@ class Trace:
                 last[p] = self.starts[r]
 
 
-def prompt_class(req: list[Page], seen: Counter[Page], last: dict[Page, int], now: int) -> tuple[int, ...]:
+OUTPUTS: list[int] = []  # each request's output_length, read from the trace by main()
+
+
+def prompt_class(
+    req: list[Page], seen: Counter[Page], last: dict[Page, int], now: int, output: int | None = None
+) -> tuple[int, ...]:
+    extra = () if output is None else (min(int(math.log2(output / 25 + 1)), 9),)
     deepest = -1
     for i, p in enumerate(req):
         if p in last:
             deepest = i
     if deepest < 0:
-        return (-1,)
+        return (-1, *extra)
     p = req[deepest]
     return (
         min(4 * (deepest + 1) // len(req), 3),
         min(seen[p], 8),
         min(int(math.log2((now - last[p]) / 2000 + 1)), 8),
+        *extra,
     )
 
 
-def gap_distributions(tr: Trace) -> dict[tuple[int, ...], list[int]]:
+def gap_distributions(tr: Trace, outputs: bool) -> dict[tuple[int, ...], list[int]]:
     """Per prompt class, the sorted gaps from each reference to its page's next one (NEVER)."""
     seen: Counter[Page] = Counter()
     last: dict[Page, int] = {}
     gaps: dict[tuple[int, ...], list[int]] = {}
     for r, req in enumerate(tr.reqs):
         now = tr.starts[r]
-        k = prompt_class(req, seen, last, now)
+        k = prompt_class(req, seen, last, now, OUTPUTS[r] if outputs else None)
         for p in req:
             nxt = tr.next_use[r][p]
             gaps.setdefault(k, []).append(NEVER if nxt == NEVER else nxt - now)
@@ -97,7 +110,9 @@ def gap_distributions(tr: Trace) -> dict[tuple[int, ...], list[int]]:
 
 def simulate(tr: Trace, capacity: int, admission: str, eviction: str, horizon: int, seed: int = 1) -> int:
     rnd = random.Random(seed)
-    gaps = gap_distributions(tr) if eviction == "hazard" or admission.startswith("compare") else {}
+    outputs = eviction == "hazard-out"
+    hazards = eviction.startswith("hazard") or admission.startswith("compare")
+    gaps = gap_distributions(tr, outputs) if hazards else {}
     parent: dict[Page, Page | None] = {}
     children: Counter[Page] = Counter()
     last_use: dict[Page, int] = {}
@@ -132,6 +147,7 @@ def simulate(tr: Trace, capacity: int, admission: str, eviction: str, horizon: i
         "lru": lambda p, now: now - last_use[p],
         "next-use": lambda p, now: next_use[p],
         "hazard": hazard,
+        "hazard-out": hazard,
     }
     score = scores[eviction]
     ghost: OrderedDict[Page, None] = OrderedDict()
@@ -148,7 +164,7 @@ def simulate(tr: Trace, capacity: int, admission: str, eviction: str, horizon: i
         while h < tr.limit[r] and req[h] in parent:
             h += 1
         served += h
-        k = prompt_class(req, seen, last_seen, now)
+        k = prompt_class(req, seen, last_seen, now, OUTPUTS[r] if outputs else None)
         own = next((i for i, q in enumerate(req) if seen[q] < seen[req[0]]), len(req))
         sampled = own == len(req) or random.Random(hash(req[own])).random() < share
         in_ghost = set()
@@ -206,6 +222,10 @@ def simulate(tr: Trace, capacity: int, admission: str, eviction: str, horizon: i
 
 def main() -> None:
     traces: dict[int, Trace] = {}  # the page references' next uses, computed once per trace
+    path = argparse.ArgumentParser(add_help=False)
+    path.add_argument("trace")
+    with open(path.parse_known_args()[0].trace) as f:
+        OUTPUTS.extend(int(json.loads(line).get("output_length", 0)) for line in f if line.strip())
 
     def run(raw: replay.Trace, cap: int, admission: str, eviction: str) -> int:
         tr = traces.setdefault(id(raw), Trace(raw))
@@ -214,7 +234,7 @@ def main() -> None:
     sweep(
         __doc__.splitlines()[0],
         "ghost4+lru,always+next-use,ghost4+next-use,oracle+next-use,always+hazard,ghost4+hazard,"
-        "sample0.5+lru,sample0.25+lru,compare+hazard,compare0.05+hazard",
+        "sample0.5+lru,sample0.25+lru,compare+hazard,compare0.05+hazard,compare0.1+hazard-out",
         run,
     )
 
