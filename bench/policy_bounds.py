@@ -16,7 +16,11 @@ the storing request's own pages) by a score, so that scores which are not an ord
 - ``hazard-out``: the same, the classes split further by the request's output length (log2
   buckets of 25 tokens, from the trace's ``output_length``): a conversation's next turn comes
   later after a longer answer (median gap on the conversation trace: 50 s after answers under 100
-  tokens, 96 s after 300-600, 129 s after 600-2000).
+  tokens, 96 s after 300-600, 129 s after 600-2000);
+- ``hazard-online``, ``hazard-out-online``: the same classes, their distributions learned as the
+  trace goes instead of known beforehand (per class, a histogram of the gaps seen so far in
+  quarter-octave buckets; a reference not followed by another within 16 pools' worth of traffic
+  counts as never read again).
 
 Admission: ``always``; ``ghost<k>`` (while the pool is full, only pages whose key was in the last
 k pools' worth of prompt keys); ``oracle`` (only pages read again); ``sample<q>`` (ghost4, and
@@ -110,9 +114,29 @@ def gap_distributions(tr: Trace, outputs: bool) -> dict[tuple[int, ...], list[in
 
 def simulate(tr: Trace, capacity: int, admission: str, eviction: str, horizon: int, seed: int = 1) -> int:
     rnd = random.Random(seed)
-    outputs = eviction == "hazard-out"
+    online = eviction.endswith("-online")
+    outputs = eviction.startswith("hazard-out")
     hazards = eviction.startswith("hazard") or admission.startswith("compare")
-    gaps = gap_distributions(tr, outputs) if hazards else {}
+    gaps = gap_distributions(tr, outputs) if hazards and not online else {}
+    # Online: per class, a histogram of the gaps seen so far (quarter-octave buckets), and
+    # references not followed by another within `expire` counted as never read again.
+    buckets = 80
+    expire = 16 * capacity
+    hist: dict[tuple[int, ...], list[float]] = {}
+    never: Counter[tuple[int, ...]] = Counter()
+    pending: dict[Page, tuple[int, tuple[int, ...]]] = {}
+    queue: list[tuple[int, Page]] = []
+    qhead = 0
+
+    def bucket(g: int) -> int:
+        return min(int(4 * math.log2(g / 16 + 1)), buckets - 1)
+
+    def note_gap(k: tuple[int, ...], g: int | None) -> None:
+        if g is None:
+            never[k] += 1
+        else:
+            hist.setdefault(k, [0.0] * buckets)[bucket(g)] += 1
+
     parent: dict[Page, Page | None] = {}
     children: Counter[Page] = Counter()
     last_use: dict[Page, int] = {}
@@ -135,7 +159,23 @@ def simulate(tr: Trace, capacity: int, admission: str, eviction: str, horizon: i
             leaves[i] = moved
             leaf_at[moved] = i
 
+    def hazard_online(p: Page, now: int) -> float:
+        k = klass[p]
+        h = hist.get(k)
+        nv = never[k]
+        if h is None and nv == 0:
+            return 0.5
+        h = h or [0.0] * buckets
+        w = now - last_use[p]
+        b0, b1 = bucket(w), bucket(w + horizon)
+        surv = sum(h[b0:]) + nv
+        if surv <= 0:
+            return 2.0
+        return 1.0 - sum(h[b0:b1]) / surv
+
     def hazard(p: Page, now: int) -> float:  # chance of no reference within the horizon
+        if online:
+            return hazard_online(p, now)
         g = gaps[klass[p]]
         waited = now - last_use[p]
         i = bisect.bisect_right(g, waited)
@@ -148,6 +188,8 @@ def simulate(tr: Trace, capacity: int, admission: str, eviction: str, horizon: i
         "next-use": lambda p, now: next_use[p],
         "hazard": hazard,
         "hazard-out": hazard,
+        "hazard-online": hazard,
+        "hazard-out-online": hazard,
     }
     score = scores[eviction]
     ghost: OrderedDict[Page, None] = OrderedDict()
@@ -167,6 +209,20 @@ def simulate(tr: Trace, capacity: int, admission: str, eviction: str, horizon: i
         k = prompt_class(req, seen, last_seen, now, OUTPUTS[r] if outputs else None)
         own = next((i for i, q in enumerate(req) if seen[q] < seen[req[0]]), len(req))
         sampled = own == len(req) or random.Random(hash(req[own])).random() < share
+        if online:
+            while qhead < len(queue) and queue[qhead][0] < now - expire:
+                t0, q0 = queue[qhead]
+                qhead += 1
+                pend = pending.get(q0)
+                if pend is not None and pend[0] == t0:
+                    note_gap(pend[1], None)
+                    del pending[q0]
+            for q in req:
+                pend = pending.get(q)
+                if pend is not None:
+                    note_gap(pend[1], now - pend[0])
+                pending[q] = (now, k)
+                queue.append((now, q))
         in_ghost = set()
         for q in req:
             if q in ghost:
@@ -234,7 +290,8 @@ def main() -> None:
     sweep(
         __doc__.splitlines()[0],
         "ghost4+lru,always+next-use,ghost4+next-use,oracle+next-use,always+hazard,ghost4+hazard,"
-        "sample0.5+lru,sample0.25+lru,compare+hazard,compare0.05+hazard,compare0.1+hazard-out",
+        "sample0.5+lru,sample0.25+lru,compare+hazard,compare0.05+hazard,compare0.1+hazard-out,"
+        "compare0.1+hazard-out-online",
         run,
     )
 
