@@ -1,6 +1,7 @@
 #pragma once
 // The checksum a tier record carries of its page (tier_record.hpp), and the same pass copying
-// the page on the way. Internal: tier_record.cpp is its only user.
+// the page on the way (the CPU copier's, when a cache with a tier asks it to sum pages).
+// Internal: tier_record.cpp and cpu_copier.cpp use it.
 //
 // Not cryptographic: it catches torn, truncated and overwritten pages (the keys and tokens in
 // the record are what make a page exact). It must run at memory speed, since every page a cache

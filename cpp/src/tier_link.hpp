@@ -3,11 +3,12 @@
 // engine's thread, through a bounded queue: a full queue drops the pages, counted), fetches the
 // rest of a prefix on a host miss (on the caller's thread with a deadline, or in the background
 // for the next prompt), and checks every fetched value's record against the reader's own keys
-// and tokens (tier_record.hpp) before anything is handed back; the page's checksum is checked
-// by whoever copies it out (copy_tier_page), in the same pass as the copy. Values are put
-// straight from host slots (the record written after the page, tier_record.hpp) and fetched into
-// a buffer allocated once; the tier is told about both (Tier::use_memory), so a backend can move
-// them without copies. Internal to the cache.
+// and tokens (tier_record.hpp) before anything is published; the page's bytes are checked
+// against the recorded checksum where they landed, or by their first load where the copier sums
+// pages as it copies them (check_on_load). Values go to the tier straight from host slots (the
+// record written after the page) and come back into host slots taken for them; the tier is told
+// about the pool's memory (Tier::use_memory), so a backend can move them without copies.
+// Internal to the cache.
 
 #include <chrono>
 #include <condition_variable>

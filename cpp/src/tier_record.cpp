@@ -147,12 +147,6 @@ namespace {
 constexpr const char* kTorn = "page bytes do not match their checksum (overwritten or torn)";
 }  // namespace
 
-bool copy_tier_page(const TierPage& page, std::byte* out, std::string& why) {
-  if (detail::checksum_copy(page.bytes, out) == page.checksum) return true;
-  why = kTorn;
-  return false;
-}
-
 std::span<const std::byte> check_tier_value(std::span<const std::byte> value, const Key& space,
                                             const Key& key, const Key& parent,
                                             std::span<const std::int32_t> tokens,

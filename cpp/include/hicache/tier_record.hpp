@@ -62,15 +62,11 @@ struct TierPage {
 
 /// The page in `value` if it is the value encode_tier_value wrote for exactly these fields;
 /// otherwise empty bytes, with the reason in `why`. The page's own bytes are not checked yet:
-/// copy_tier_page checks them as it copies them (one pass over the page instead of two).
+/// the caller checks them against the checksum, where they landed or as it first copies them
+/// (one pass over the page instead of two).
 TierPage check_tier_record(std::span<const std::byte> value, const Key& space, const Key& key,
                            const Key& parent, std::span<const std::int32_t> tokens,
                            std::size_t page_bytes, std::string& why);
-
-/// Copies a page to `out` (page.bytes.size() bytes) while computing its checksum; false, with
-/// the reason in `why`, if it is not the one recorded (an overwritten or torn value): what was
-/// copied must then not be used.
-bool copy_tier_page(const TierPage& page, std::byte* out, std::string& why);
 
 /// The page in `value` if it is the value encode_tier_value wrote for exactly these fields and
 /// its page is intact; otherwise an empty span, with the reason in `why`.
