@@ -815,7 +815,11 @@ NB_MODULE(_core, m) {
       .def(
           "forget", [](PyCache& self, std::string_view id) { self.cache->forget(id); },
           "request_id"_a, nb::call_guard<nb::gil_scoped_release>())
-      .def("stats", [](const PyCache& self) { return self.cache->stats(); })
+      // Without the GIL, as every call that takes the cache's lock: a thread holding that lock may
+      // wait for the GIL (a Python tier told about new pool memory, Tier.use_memory).
+      .def(
+          "stats", [](const PyCache& self) { return self.cache->stats(); },
+          nb::call_guard<nb::gil_scoped_release>())
       .def(
           "flush_tier", [](PyCache& self) { self.cache->flush_tier(); },
           nb::call_guard<nb::gil_scoped_release>())
@@ -838,9 +842,13 @@ NB_MODULE(_core, m) {
           "stream"_a.none() = nb::none())
       .def("page_lru_order",
            [](const PyCache& self) {
+             std::vector<hicache::Key> keys;
+             {
+               nb::gil_scoped_release release;  // see stats
+               keys = self.cache->page_lru_order();
+             }
              std::vector<nb::bytes> out;
-             for (const auto& k : self.cache->page_lru_order())
-               out.emplace_back(k.bytes.data(), 16);
+             for (const auto& k : keys) out.emplace_back(k.bytes.data(), 16);
              return out;
            })
       .def_prop_ro("page_bytes",
