@@ -62,6 +62,28 @@ struct Host {
   }
 };
 
+// Calls another backend object (a MemoryTier of its own by default): tests derive from it to
+// watch the calls they care about, or use it as a second object over one store.
+class ForwardingTier : public hicache::Tier {
+ public:
+  explicit ForwardingTier(std::shared_ptr<hicache::Tier> to = std::make_shared<MemoryTier>())
+      : to_(std::move(to)) {}
+  std::string name() const override { return to_->name(); }
+  std::int64_t put(std::span<const std::string> n, std::span<const std::byte* const> v,
+                   std::span<const std::size_t> s) override {
+    return to_->put(n, v, s);
+  }
+  std::int64_t get(std::span<const std::string> n, std::span<std::byte* const> d,
+                   std::size_t c) override {
+    return to_->get(n, d, c);
+  }
+  std::int64_t exists(std::span<const std::string> n) override { return to_->exists(n); }
+  std::optional<std::vector<std::int64_t>> poll(std::int64_t b) override { return to_->poll(b); }
+
+ private:
+  std::shared_ptr<hicache::Tier> to_;
+};
+
 // Host A prefills and stores a 5-page prompt; its pages reach the tier.
 std::vector<std::int32_t> store_on(Host& a) {
   const auto prompt = tokens(5 * kB + 3, 100);
@@ -300,24 +322,18 @@ TEST(Tier, PageChecksumsAgreeOnEveryMachineAndSeeEveryChange) {
 namespace {
 
 // A MemoryTier that records how many values each put and get moved.
-class CountingTier final : public hicache::Tier {
+class CountingTier final : public ForwardingTier {
  public:
-  std::string name() const override { return "counting"; }
   std::int64_t put(std::span<const std::string> names, std::span<const std::byte* const> values,
                    std::span<const std::size_t> sizes) override {
     put_sizes.push_back(names.size());
-    return inner.put(names, values, sizes);
+    return ForwardingTier::put(names, values, sizes);
   }
   std::int64_t get(std::span<const std::string> names, std::span<std::byte* const> dests,
                    std::size_t capacity) override {
     get_sizes.push_back(names.size());
-    return inner.get(names, dests, capacity);
+    return ForwardingTier::get(names, dests, capacity);
   }
-  std::int64_t exists(std::span<const std::string> names) override { return inner.exists(names); }
-  std::optional<std::vector<std::int64_t>> poll(std::int64_t batch) override {
-    return inner.poll(batch);
-  }
-  MemoryTier inner;
   std::vector<std::size_t> put_sizes, get_sizes;  // values a call, in order
 };
 
@@ -616,22 +632,17 @@ namespace {
 
 // A MemoryTier that records the memory it was told about and checks that every value put or got
 // lies in it.
-class RegionTier final : public hicache::Tier {
+class RegionTier final : public ForwardingTier {
  public:
-  std::string name() const override { return "regions"; }
   std::int64_t put(std::span<const std::string> names, std::span<const std::byte* const> values,
                    std::span<const std::size_t> sizes) override {
     for (std::size_t i = 0; i < values.size(); ++i) check(values[i], sizes[i]);
-    return inner.put(names, values, sizes);
+    return ForwardingTier::put(names, values, sizes);
   }
   std::int64_t get(std::span<const std::string> names, std::span<std::byte* const> dests,
                    std::size_t capacity) override {
     for (std::byte* d : dests) check(d, capacity);
-    return inner.get(names, dests, capacity);
-  }
-  std::int64_t exists(std::span<const std::string> names) override { return inner.exists(names); }
-  std::optional<std::vector<std::int64_t>> poll(std::int64_t batch) override {
-    return inner.poll(batch);
+    return ForwardingTier::get(names, dests, capacity);
   }
   void use_memory(std::span<std::byte> region) override {
     std::lock_guard<std::mutex> g(mu);
@@ -652,7 +663,6 @@ class RegionTier final : public hicache::Tier {
       ++outside_calls;
     }
   }
-  MemoryTier inner;
   std::mutex mu;
   std::map<const std::byte*, std::size_t> regions;
   int used = 0, inside_calls = 0, outside_calls = 0;
@@ -882,28 +892,26 @@ namespace {
 
 // A MemoryTier that notes the most calls it ever had running at once (wait aside); each put and
 // get takes a little while, as a network's would.
-class OverlapTier final : public hicache::Tier {
+class OverlapTier final : public ForwardingTier {
  public:
-  std::string name() const override { return "overlap"; }
   std::int64_t put(std::span<const std::string> names, std::span<const std::byte* const> values,
                    std::span<const std::size_t> sizes) override {
     Call c(*this);
-    return inner.put(names, values, sizes);
+    return ForwardingTier::put(names, values, sizes);
   }
   std::int64_t get(std::span<const std::string> names, std::span<std::byte* const> dests,
                    std::size_t capacity) override {
     Call c(*this);
-    return inner.get(names, dests, capacity);
+    return ForwardingTier::get(names, dests, capacity);
   }
   std::int64_t exists(std::span<const std::string> names) override {
     Call c(*this);
-    return inner.exists(names);
+    return ForwardingTier::exists(names);
   }
   std::optional<std::vector<std::int64_t>> poll(std::int64_t batch) override {
     Call c(*this);
-    return inner.poll(batch);
+    return ForwardingTier::poll(batch);
   }
-  MemoryTier inner;
   std::atomic<int> running{0}, most{0};
 
  private:
@@ -918,26 +926,6 @@ class OverlapTier final : public hicache::Tier {
     ~Call() { --t_.running; }
     OverlapTier& t_;
   };
-};
-
-// Forwards every call to another backend object (a second object over the same store).
-class ForwardingTier final : public hicache::Tier {
- public:
-  explicit ForwardingTier(std::shared_ptr<hicache::Tier> to) : to_(std::move(to)) {}
-  std::string name() const override { return to_->name(); }
-  std::int64_t put(std::span<const std::string> n, std::span<const std::byte* const> v,
-                   std::span<const std::size_t> s) override {
-    return to_->put(n, v, s);
-  }
-  std::int64_t get(std::span<const std::string> n, std::span<std::byte* const> d,
-                   std::size_t c) override {
-    return to_->get(n, d, c);
-  }
-  std::int64_t exists(std::span<const std::string> n) override { return to_->exists(n); }
-  std::optional<std::vector<std::int64_t>> poll(std::int64_t b) override { return to_->poll(b); }
-
- private:
-  std::shared_ptr<hicache::Tier> to_;
 };
 
 }  // namespace
