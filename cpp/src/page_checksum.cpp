@@ -162,9 +162,13 @@ bool use_vector() {
 #endif
 }
 
+void init(u64* acc) {
+  for (int i = 0; i < kLanes; ++i) acc[i] = kSecret[static_cast<std::size_t>(i)];
+}
+
 u64 checksum(std::span<const std::byte> bytes, std::byte* out, bool vector) {
   u64 acc[kLanes];
-  for (int i = 0; i < kLanes; ++i) acc[i] = kSecret[static_cast<std::size_t>(i)];
+  init(acc);
   const std::size_t n = bytes.size() / kBlock;
   blocks(acc, bytes.data(), n, out, vector);
   const std::size_t done = n * kBlock;
@@ -182,9 +186,7 @@ std::uint64_t checksum_copy(std::span<const std::byte> bytes, std::byte* out) {
   return checksum(bytes, out, use_vector());
 }
 
-ChecksumCopy::ChecksumCopy() {
-  for (int i = 0; i < kLanes; ++i) acc_[i] = kSecret[static_cast<std::size_t>(i)];
-}
+ChecksumCopy::ChecksumCopy() { init(acc_); }
 
 bool ChecksumCopy::add(std::span<const std::byte> bytes, std::byte* out) {
   if (total_ % kBlock != 0) return false;  // a piece after one that was not whole blocks
