@@ -35,6 +35,7 @@ class TierMemory final : public HostAllocator {
       gate_->tier->use_memory({static_cast<std::byte*>(p), bytes});
     } catch (const std::exception& e) {
       // Host memory all the same: the cache works, and puts from this chunk fail, counted.
+      std::lock_guard<std::mutex> errors(gate_->errors_mu);
       ++gate_->memory_errors;
       gate_->memory_error = std::string("tier use_memory: ") + e.what();
     }
@@ -451,7 +452,7 @@ void TierLink::add_stats(CacheStats& s) const {
   std::int64_t memory_errors = 0;
   std::string memory_error;
   {
-    std::lock_guard<std::mutex> g(tier_mu_);
+    std::lock_guard<std::mutex> g(gate_->errors_mu);
     memory_errors = gate_->memory_errors;
     memory_error = gate_->memory_error;
   }

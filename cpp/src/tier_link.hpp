@@ -42,7 +42,8 @@ struct TierGate {
   std::shared_ptr<Tier> tier;
   std::mutex mu;
   // use_memory refusals, by any cache using the backend (the memory is used all the same; puts
-  // from it then fail), under mu.
+  // from it then fail), under errors_mu: stats() reads them without waiting for a backend call.
+  std::mutex errors_mu;
   std::int64_t memory_errors = 0;
   std::string memory_error;
 };
