@@ -86,7 +86,7 @@ class MooncakeTier(Tier):
         self._cls = _client_class()
         self._args = (hostname, metadata, int(segment_bytes), 16 << 20, protocol, rdma_devices, master)
         self._reconnect_s = reconnect_s
-        self._buffers: list[tuple[int, int]] = []
+        self._regions: list[tuple[int, int]] = []
         self._lock = threading.Lock()
         # Two threads, so that a put and a get (a cache keeps at most one of each in flight) each
         # have one; the client serves them one after the other all the same (a one-page get
@@ -110,7 +110,7 @@ class MooncakeTier(Tier):
             if store.setup(*self._args) != 0:
                 return False
             with self._lock:
-                regions = list(self._buffers)
+                regions = list(self._regions)
             for addr, size in regions:
                 if store.register_buffer(addr, size) != 0:
                     return False
@@ -165,7 +165,7 @@ class MooncakeTier(Tier):
     def use_memory(self, addr: int, size: int) -> None:
         """Registers host memory hicache puts values from or gets them into (zero-copy)."""
         with self._lock:
-            self._buffers.append((addr, size))
+            self._regions.append((addr, size))
             store = self._store
         rc = store.register_buffer(addr, size) if store is not None else -1
         if rc != 0:
@@ -175,9 +175,9 @@ class MooncakeTier(Tier):
 
     def release_memory(self, addr: int, size: int) -> None:
         with self._lock:
-            if (addr, size) not in self._buffers:
+            if (addr, size) not in self._regions:
                 return
-            self._buffers.remove((addr, size))
+            self._regions.remove((addr, size))
             store = self._store
         if store is not None:
             store.unregister_buffer(addr)
