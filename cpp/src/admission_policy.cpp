@@ -131,6 +131,7 @@ std::size_t ghost_generation(std::int64_t capacity) {
 class AlwaysAdmit final : public AdmissionPolicy {
  public:
   void observe(std::span<const Key>) override {}
+  void observe_more(std::span<const Key>) override {}
   bool admit(std::size_t, bool) override { return true; }
   bool wants_second_sighting() const override { return false; }
 };
@@ -141,18 +142,22 @@ class Sightings {
 
  public:
   explicit Sightings(std::int64_t capacity) : ghost_(ghost_generation(capacity)) {}
+  /// A store begins: seen_before() forgets the previous store's keys.
+  void begin() { seen_.clear(); }
   // Key by key: whether it was in the ghost, then recorded (a key repeated within one prompt,
-  // possible only with the tests' truncated keys, is seen at its second place).
+  // possible only with the tests' truncated keys, is seen at its second place). Appends to the
+  // store's keys so far.
   void observe(std::span<const Key> keys) {
-    seen_.assign(keys.size(), false);
+    const std::size_t first = seen_.size();
+    seen_.resize(first + keys.size(), false);
     for (std::size_t i = 0; i < keys.size(); ++i) {
       if (i + kAhead < keys.size()) ghost_.prefetch(key_fingerprint(keys[i + kAhead]));
-      seen_[i] = ghost_.check_and_record(key_fingerprint(keys[i]));
+      seen_[first + i] = ghost_.check_and_record(key_fingerprint(keys[i]));
     }
   }
-  /// Records the keys without answering seen_before (which then says false).
+  /// Records the keys without answering seen_before (which then says false for them).
   void record(std::span<const Key> keys) {
-    seen_.clear();
+    seen_.resize(seen_.size() + keys.size(), false);
     for (std::size_t i = 0; i < keys.size(); ++i) {
       if (i + kAhead < keys.size()) ghost_.prefetch(key_fingerprint(keys[i + kAhead]));
       ghost_.record(key_fingerprint(keys[i]));
@@ -168,7 +173,11 @@ class Sightings {
 class SecondSighting final : public AdmissionPolicy {
  public:
   explicit SecondSighting(std::int64_t capacity) : sightings_(capacity) {}
-  void observe(std::span<const Key> keys) override { sightings_.observe(keys); }
+  void observe(std::span<const Key> keys) override {
+    sightings_.begin();
+    sightings_.observe(keys);
+  }
+  void observe_more(std::span<const Key> keys) override { sightings_.observe(keys); }
   bool admit(std::size_t i, bool pool_full) override {
     return !pool_full || sightings_.seen_before(i);
   }
@@ -229,19 +238,25 @@ class Adaptive final : public AdmissionPolicy {
                 ghost_generation(capacity / static_cast<std::int64_t>(sample_))) {}
 
   void observe(std::span<const Key> keys) override {
+    // Hits of the last ~1000 stores count most (half-life 693 stores): the choice follows the
+    // workload as it changes. It is made as the store begins, from the stores before it (their
+    // keys went through the simulations), so the store's first installment can be admitted
+    // before the rest of its prompt is hashed.
+    write_through_.decay(kDecay);
+    second_.decay(kDecay);
+    second_sighting_ = second_.hits() > write_through_.hits();
+    sightings_.begin();
+    observe_more(keys);
+  }
+  void observe_more(std::span<const Key> keys) override {
     for (const Key& k : keys) {
       const std::uint64_t fp = key_fingerprint(k);
       if ((fp >> 32) % sample_ != 0) continue;
       write_through_.access(fp);
       second_.access(fp);
     }
-    // Hits of the last ~1000 stores count most (half-life 693 stores): the choice follows the
-    // workload as it changes.
-    write_through_.decay(kDecay);
-    second_.decay(kDecay);
-    second_sighting_ = second_.hits() > write_through_.hits();
-    // The simulations do not depend on the ghost, so the choice is known first: writing through,
-    // this store needs no sightings, and recording the keys costs one probe a key, not two.
+    // Writing through, this store needs no sightings, and recording the keys costs one probe a
+    // key, not two.
     if (second_sighting_) {
       sightings_.observe(keys);
     } else {

@@ -22,9 +22,15 @@ namespace hicache::detail {
 
 class ChainHasher {
  public:
+  /// How far the page threads hash token blocks ahead of the keys asked for.
+  enum class Ahead {
+    kToLimit,  ///< a lookup: to the limit at once (it walks again after each installment)
+    kToUpto,   ///< a store: each installment's own pages (its copies run while the next hashes)
+  };
   /// @throws std::invalid_argument if block_tokens < 1 or key_bits is not in [1, 128].
   ChainHasher(std::string_view salt, std::span<const std::int32_t> tokens,
-              std::int64_t block_tokens, std::int64_t limit, int key_bits);
+              std::int64_t block_tokens, std::int64_t limit, int key_bits,
+              Ahead ahead = Ahead::kToLimit);
   /// Appends to `keys` (this chain's first keys.size() keys) the keys of the next pages, up to
   /// `upto` in all (and at most `limit` and the prompt's full pages).
   void extend(std::vector<Key>& keys, std::int64_t upto);
@@ -33,13 +39,14 @@ class ChainHasher {
   static constexpr std::size_t kMaxMidstates = 8192;  // ~220 bytes each
 
   std::span<const std::int32_t> page(std::size_t i) const;
-  void hash_blocks_ahead(std::size_t first);
+  void hash_blocks_ahead(std::size_t first, std::size_t end);
 
   std::span<const std::uint8_t> salt_;
   std::span<const std::int32_t> tokens_;
   std::size_t block_tokens_;
   std::size_t limit_;  // pages: min(limit, full pages)
   int key_bits_;
+  Ahead ahead_;
   std::vector<Blake2b> mids_;  // pages [mids_first_, mids_first_ + mids_.size())
   std::size_t mids_first_ = 0;
 };

@@ -83,11 +83,12 @@ void extend_chain_keys(std::vector<Key>& keys, std::string_view salt,
 namespace detail {
 
 ChainHasher::ChainHasher(std::string_view salt, std::span<const std::int32_t> tokens,
-                         std::int64_t block_tokens, std::int64_t limit, int key_bits)
+                         std::int64_t block_tokens, std::int64_t limit, int key_bits, Ahead ahead)
     : salt_(reinterpret_cast<const std::uint8_t*>(salt.data()), salt.size()),
       tokens_(tokens),
       block_tokens_(static_cast<std::size_t>(block_tokens)),
-      key_bits_(key_bits) {
+      key_bits_(key_bits),
+      ahead_(ahead) {
   if (block_tokens < 1) throw std::invalid_argument("block_tokens must be >= 1");
   if (key_bits < 1 || key_bits > 128) throw std::invalid_argument("key_bits must be in [1, 128]");
   const auto full = static_cast<std::int64_t>(tokens.size()) / block_tokens;
@@ -98,11 +99,11 @@ std::span<const std::int32_t> ChainHasher::page(std::size_t i) const {
   return tokens_.subspan(i * block_tokens_, block_tokens_);
 }
 
-// The token blocks of pages [first, first + kMaxMidstates) (up to the limit), on the page
-// threads: each page's state after every block but a last one that a key or salt follows.
-void ChainHasher::hash_blocks_ahead(std::size_t first) {
+// The token blocks of pages [first, end) (at most kMaxMidstates of them), on the page threads:
+// each page's state after every block but a last one that a key or salt follows.
+void ChainHasher::hash_blocks_ahead(std::size_t first, std::size_t end) {
   mids_first_ = first;
-  mids_.assign(std::min(limit_ - first, kMaxMidstates), Blake2b(16));
+  mids_.assign(std::min(end - first, kMaxMidstates), Blake2b(16));
   for_each_page(
       mids_.size(), block_tokens_ * sizeof(std::int32_t),
       [&](std::size_t j) {
@@ -119,12 +120,14 @@ void ChainHasher::extend(std::vector<Key>& keys, std::int64_t upto) {
   while (keys.size() < n) {
     const std::size_t i = keys.size();
     const bool ahead = i >= mids_first_ && i < mids_first_ + mids_.size();
-    // Ahead to the limit once the keys are wanted past a first installment (a lookup whose first
-    // pages all hit), or at once when they are wanted to the limit.
+    // A lookup hashes ahead to the limit once the keys are wanted past a first installment (its
+    // first pages all hit), or at once when they are wanted to the limit; a store hashes each
+    // installment's pages ahead as it asks for them.
+    const std::size_t end = ahead_ == Ahead::kToLimit ? limit_ : n;
     const bool worth_it =
-        (limit_ - i) * block_tokens_ * sizeof(std::int32_t) >= 2 * kHashBytesPerThread;
-    if (!ahead && worth_it && (i > 0 || n == limit_)) {
-      hash_blocks_ahead(i);
+        (end - i) * block_tokens_ * sizeof(std::int32_t) >= 2 * kHashBytesPerThread;
+    if (!ahead && worth_it && (i > 0 || n == limit_ || ahead_ == Ahead::kToUpto)) {
+      hash_blocks_ahead(i, end);
       continue;
     }
     Blake2b h(16);

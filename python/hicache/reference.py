@@ -9,6 +9,7 @@ It is written for clarity, not speed, and has no failure injection.
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -131,23 +132,29 @@ class _Admission:
         self.second_sighting = kind == "second-sighting"
 
     def observe(self, keys: list[bytes]) -> None:
+        """A store begins: its first keys (observe_more adds the rest of its installments)."""
+        if self.kind == "always":
+            return
+        if self.kind == "adaptive":  # chosen from the stores before this one
+            self.write_through.hits *= 0.999
+            self.second.hits *= 0.999
+            self.second_sighting = self.second.hits > self.write_through.hits
+        self.seen = []
+        self.observe_more(keys)
+
+    def observe_more(self, keys: list[bytes]) -> None:
         if self.kind == "always":
             return
         fps = [_fingerprint(k) for k in keys]
-        self.seen = []
+        if self.kind == "adaptive":
+            for k, fp in zip(keys, fps, strict=True):
+                if (int.from_bytes(k[:8], "little") >> 32) % self.sample != 0:
+                    continue
+                self.write_through.access(fp)
+                self.second.access(fp)
         for fp in fps:  # key by key: seen, then recorded (GhostKeys::check_and_record)
             self.seen.append(fp in self.ghost)
             self.ghost.record(fp)
-        if self.kind != "adaptive":
-            return
-        for k, fp in zip(keys, fps, strict=True):
-            if (int.from_bytes(k[:8], "little") >> 32) % self.sample != 0:
-                continue
-            self.write_through.access(fp)
-            self.second.access(fp)
-        self.write_through.hits *= 0.999
-        self.second.hits *= 0.999
-        self.second_sighting = self.second.hits > self.write_through.hits
 
     def admit(self, i: int, pool_full: bool) -> bool:
         if self.kind == "always":
@@ -407,54 +414,69 @@ class ReferenceCache:
         self._retire()
         self.requests.setdefault(request_id, 0)
         self.c["stores"] += 1
-        self.admission.observe(keys[:n_full])
+        # Installments of 16 pages, then as many again as the store has so far (16, 32, 64...),
+        # each admitted and copied before the next is observed, as HostPrefixCache::store does.
+        bounds = [0, min(n_full, 16)]
+        while bounds[-1] < n_full:
+            bounds.append(min(n_full, 2 * bounds[-1]))
+        self.admission.observe(keys[: bounds[1]])
         new: list[_Entry] = []
-        moves: list[tuple[int, _Entry]] = []
         chain: list[_Entry] = []
         held: list[_Entry] = []
         skipped = False
+        stopped = False
         parent = self._root(chain_salt)
-        for i in range(n_full):
-            page = tuple(int(x) for x in tokens[i * B : (i + 1) * B])
-            e = self.pages.find(keys[i])
-            if e is not None:
-                same = e.tokens == page
-                if same and e.parent_serial == parent:
-                    e.refs += 1
-                    held.append(e)
-                    chain.append(e)
-                    parent = e.serial
-                    continue
-                if not same:
-                    self.c["collisions"] += 1
-                    skipped = True
+        for lo, hi in itertools.pairwise(bounds):
+            if lo > 0:
+                self.admission.observe_more(keys[lo:hi])
+            moves: list[tuple[int, _Entry]] = []
+            fresh: list[_Entry] = []
+            for i in range(lo, hi):
+                page = tuple(int(x) for x in tokens[i * B : (i + 1) * B])
+                e = self.pages.find(keys[i])
+                if e is not None:
+                    same = e.tokens == page
+                    if same and e.parent_serial == parent:
+                        e.refs += 1
+                        held.append(e)
+                        chain.append(e)
+                        parent = e.serial
+                        continue
+                    if not same:
+                        self.c["collisions"] += 1
+                        skipped = stopped = True
+                        break
+                    if e.refs != 0:
+                        skipped = stopped = True
+                        break
+                full = len(self.pages.entries) >= self.pages.capacity and e is None
+                if not self.admission.admit(i, full):
+                    self.c["pages_declined"] += n_full - i
+                    stopped = True
                     break
-                if e.refs != 0:
-                    skipped = True
+                if e is not None:
+                    self.pages.erase(e)
+                e = self.pages.insert(keys[i], self._serial(), parent)
+                if e is None:
+                    skipped = stopped = True
                     break
-            full = len(self.pages.entries) >= self.pages.capacity and e is None
-            if not self.admission.admit(i, full):
-                self.c["pages_declined"] += n_full - i
+                e.tokens = page
+                moves.append((int(block_ids[i]), e))
+                fresh.append(e)
+                chain.append(e)
+                parent = e.serial
+            if moves:
+                batch = list(moves)  # one copy op per installment, as the copiers do
+                self._enqueue(stream, lambda b=batch: [setattr(e, "data", self._read_page(k)) for k, e in b])
+                self._register(_Transfer(request_id, True, stream, self._record(stream), fresh, open=True))
+                new += fresh
+            if stopped:
+                self.admission.observe_more(keys[hi:n_full])  # the rest, as C++ does
                 break
-            if e is not None:
-                self.pages.erase(e)
-            e = self.pages.insert(keys[i], self._serial(), parent)
-            if e is None:
-                skipped = True
-                break
-            e.tokens = page
-            moves.append((int(block_ids[i]), e))
-            new.append(e)
-            chain.append(e)
-            parent = e.serial
-        if moves:
-            batch = list(moves)  # one copy op per batch, as the copiers do
-            self._enqueue(stream, lambda: [setattr(e, "data", self._read_page(b)) for b, e in batch])
-            self._register(_Transfer(request_id, True, stream, self._record(stream), new, open=True))
         for e in held:
             e.refs -= 1
         self._touch_chain(chain)
-        self.c["pages_stored"] += len(moves)
+        self.c["pages_stored"] += len(new)
         try:
             if self.state_bytes > 0 and state_export is not None:
                 serials = [e.serial for e in chain]
@@ -477,7 +499,7 @@ class ReferenceCache:
             t.open = False
         if skipped:
             self.c["store_skips"] += 1
-        return len(moves)
+        return len(new)
 
     def _store_state(
         self,

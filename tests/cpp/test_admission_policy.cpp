@@ -76,6 +76,46 @@ TEST(Admission, AdaptiveChoosesSecondSightingsUnderAScanAndWriteThroughForQuickR
   EXPECT_TRUE(policy->admit(0, true));
 }
 
+TEST(Admission, AStoreObservedInInstallmentsIsAdmittedAsIfObservedWhole) {
+  // HostPrefixCache::store hashes and admits a long prompt 16, 16, 32... pages at a time. The
+  // policy must answer for every page as it would have for the whole prompt at once.
+  for (auto kind : {hicache::Admission::kSecondSighting, hicache::Admission::kAdaptive}) {
+    SCOPED_TRACE(std::string(hicache::admission_name(kind)));
+    const std::int64_t capacity = 512;
+    auto whole = hicache::make_admission_policy(kind, capacity);
+    auto parts = hicache::make_admission_policy(kind, capacity);
+    auto split = hicache::make_admission_policy(kind, capacity);  // the control: two stores
+    std::mt19937_64 rng(5);
+    std::size_t differ = 0;
+    std::size_t admitted_late = 0;  // pages past the first installment admitted in a full pool
+    for (int s = 0; s < 300; ++s) {
+      // Prompts that share prefixes and come back, some seen once, a scan now and then.
+      const auto keys = prompt(rng() % 40, s % 25 == 0 ? 900 : 16 + static_cast<int>(rng() % 90));
+      const std::span<const hicache::Key> all(keys);
+      whole->observe(all);
+      parts->observe(all.first(std::min<std::size_t>(16, all.size())));
+      split->observe(all.first(std::min<std::size_t>(16, all.size())));
+      for (std::size_t lo = 16; lo < all.size(); lo *= 2) {
+        parts->observe_more(all.subspan(lo, std::min(lo, all.size() - lo)));
+      }
+      if (all.size() > 16) split->observe(all.subspan(16));  // another store, not the same one
+      EXPECT_EQ(parts->wants_second_sighting(), whole->wants_second_sighting());
+      for (std::size_t i = 0; i < all.size(); ++i) {
+        ASSERT_EQ(parts->admit(i, true), whole->admit(i, true)) << "store " << s << " page " << i;
+        if (i >= 16 && split->admit(i - 16, true) != whole->admit(i, true)) ++differ;
+        if (i >= 16 && whole->admit(i, true)) ++admitted_late;
+      }
+    }
+    // Teeth: later installments' pages are admitted (a policy that lost their sightings would
+    // decline them), and for the adaptive policy, observing the rest as a store of its own (a
+    // choice made again midway) answers differently.
+    EXPECT_GT(admitted_late, 100u);
+    if (kind == hicache::Admission::kAdaptive) {
+      EXPECT_GT(differ, 0u);
+    }
+  }
+}
+
 TEST(Admission, NamesRoundTripAndABadNameIsNamed) {
   for (auto a : {hicache::Admission::kAlways, hicache::Admission::kSecondSighting,
                  hicache::Admission::kAdaptive}) {

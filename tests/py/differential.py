@@ -16,9 +16,11 @@ B = 16
 NUM_BLOCKS = 48
 
 
-def conversation_prompts(rng: np.random.Generator, vocab: int) -> list[np.ndarray]:
-    """Prompts that share prefixes: 2 system prompts, 6 conversations, 5 turns each."""
-    systems = [rng.integers(0, vocab, size=int(rng.integers(B, 3 * B))) for _ in range(2)]
+def conversation_prompts(rng: np.random.Generator, vocab: int, long: bool = False) -> list[np.ndarray]:
+    """Prompts that share prefixes: 2 system prompts, 6 conversations, 5 turns each. Long: system
+    prompts of 16-50 pages, so stores run in several installments (16, 32, 64 pages...)."""
+    lo, hi = (16 * B, 50 * B) if long else (B, 3 * B)
+    systems = [rng.integers(0, vocab, size=int(rng.integers(lo, hi))) for _ in range(2)]
     prompts = []
     for c in range(6):
         prompt = systems[c % 2]
@@ -37,13 +39,17 @@ def run_differential(
     eviction: str,
     steps: int,
     admission: str = "always",
+    long_prompts: bool = False,
+    stored: list[int] | None = None,
 ) -> hicache.CacheStats:
-    """Runs `steps` random operations on the C++ cache and on the reference, comparing after each."""
+    """Runs `steps` random operations on the C++ cache and on the reference, comparing after each.
+    `stored`, if given, receives what each store returned."""
     rng = np.random.default_rng(seed)
     vocab = 4 if key_bits < 128 else 1000
-    prompts = conversation_prompts(rng, vocab)
+    prompts = conversation_prompts(rng, vocab, long_prompts)
+    num_blocks = 2 * NUM_BLOCKS if long_prompts else NUM_BLOCKS
     shapes = [(B, 4), (B, 2, 3)]
-    eng_c, eng_r = FakeEngine(NUM_BLOCKS, B, shapes), FakeEngine(NUM_BLOCKS, B, shapes)
+    eng_c, eng_r = FakeEngine(num_blocks, B, shapes), FakeEngine(num_blocks, B, shapes)
     common = dict(
         block_tokens=B,
         capacity_pages=capacity,
@@ -84,7 +90,7 @@ def run_differential(
         stream = int(rng.integers(0, 3))
         salt = [None, b"t1"][int(rng.random() < 0.1)]
         if op == "resume":
-            blocks = [int(b) for b in rng.permutation(NUM_BLOCKS)[: len(prompt) // B + 1]]
+            blocks = [int(b) for b in rng.permutation(num_blocks)[: len(prompt) // B + 1]]
             refuse = rng.random() < 0.15
             got = []
             for cache, out in ((c, state_out_c), (r, state_out_r)):
@@ -100,7 +106,7 @@ def run_differential(
                 )
             assert got[0] == got[1], f"step {step}: try_resume {got}"
         elif op == "store":
-            blocks = [int(b) for b in rng.permutation(NUM_BLOCKS)[: len(prompt) // B + 1]]
+            blocks = [int(b) for b in rng.permutation(num_blocks)[: len(prompt) // B + 1]]
             eng_c.prefill(prompt, blocks)
             eng_r.prefill(prompt, blocks)
             missing = {int(p) for p in rng.choice(np.arange(1, 12) * B, size=3)}
@@ -116,6 +122,8 @@ def run_differential(
                 for cache in (c, r)
             ]
             assert got[0] == got[1], f"step {step}: store {got}"
+            if stored is not None:
+                stored.append(got[0])
         elif op == "poll":
             assert c.poll() == r.poll(), f"step {step}: poll"
         elif op == "forget":

@@ -43,3 +43,28 @@ def test_cpp_cache_matches_the_reference_over_random_operations(
         assert s.collisions > 0
     if admission != "always":
         assert s.pages_declined > 0  # the admission path ran, not only the free-slot shortcut
+
+
+@pytest.mark.parametrize(
+    "copier,state_bytes,capacity,seed,eviction,admission",
+    [
+        ("cpu", 0, 80, 21, "leaf-first", "always"),
+        ("deferred", 24, 70, 22, "leaf-first", "always"),
+        ("deferred", 0, 40, 23, "lru", "second-sighting"),
+        ("cpu", 0, 60, 24, "leaf-first", "adaptive"),
+        ("deferred", 24, 45, 25, "leaf-first", "adaptive"),
+    ],
+)
+def test_long_prompts_stored_in_installments_match_the_reference(
+    copier: str, state_bytes: int, capacity: int, seed: int, eviction: str, admission: str
+) -> None:
+    # Prompts of 16-60 pages: a store hashes, admits and copies 16 pages, then 16, then 32 (one
+    # copy operation each), and the reference does the same, page for page and op for op.
+    stored: list[int] = []
+    s = run_differential(
+        copier, state_bytes, 128, capacity, seed, eviction, 1500, admission, long_prompts=True, stored=stored
+    )
+    assert s.hits > 20 and s.pages_evicted > 0
+    assert max(stored) > 16  # some stores copied pages in two installments or more
+    if admission != "always":
+        assert s.pages_declined > 0

@@ -13,8 +13,10 @@
 //                    recent prompt (a "ghost" of keys without data: the last 4-8 pools' worth).
 //   kAdaptive        admits every page, or only second sightings, whichever the two miniature
 //                    simulations it runs beside the cache (page-level LRUs over a 1/R sample of
-//                    keys, capacity / R slots) found better over the recent past. Small pools
-//                    under pressure get second sightings, large ones write-through.
+//                    keys, capacity / R slots) found better over the recent past, chosen as a
+//                    store begins (from the stores before it, so that a store can admit its
+//                    first pages before it has hashed the rest). Small pools under pressure get
+//                    second sightings, large ones write-through.
 //
 // Not thread-safe: the cache calls it under its lock.
 
@@ -38,11 +40,15 @@ Admission parse_admission(std::string_view name);
 class AdmissionPolicy {
  public:
   virtual ~AdmissionPolicy() = default;
-  /// The chain keys of one prompt's full pages, in order, as store() sees them; called once per
-  /// store before any admit() for them.
+  /// A store begins: the chain keys of its prompt's first full pages, in order (all of them, or
+  /// a first installment that observe_more() continues); called once per store before any
+  /// admit() for them.
   virtual void observe(std::span<const Key> keys) = 0;
-  /// Whether page `i` of the keys last observed, which is not cached, may take a slot.
-  /// `pool_full`: taking one evicts a cached page.
+  /// The store's next keys, in order after those it observed so far; before any admit() for
+  /// them. (HostPrefixCache::store hashes, admits and copies a long prompt in installments.)
+  virtual void observe_more(std::span<const Key> keys) = 0;
+  /// Whether page `i` of the store's keys (counted from the first observe()d), which is not
+  /// cached, may take a slot. `pool_full`: taking one evicts a cached page.
   virtual bool admit(std::size_t i, bool pool_full) = 0;
   /// Whether first sightings are declined now (always false for kAlways; for kAdaptive, the
   /// simulations' current choice).
