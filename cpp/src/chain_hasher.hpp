@@ -1,14 +1,15 @@
 #pragma once
 // ChainHasher (internal): one prompt's chain keys (hicache/hash_chain.hpp), extended in
-// installments, as a lookup needs them (it stops at its first miss).
+// installments, as a lookup or a store needs them (a lookup stops at its first miss, a store
+// copies each installment's pages while it hashes the next). The keys it starts from may come
+// from elsewhere (the cached pages' entries): it continues from the last one.
 //
 // A page's key hashes its tokens first and the previous key last, so every page's token blocks
-// can be hashed before the chain reaches it. Once keys are wanted past the first installment
-// (or to the limit at once), the token blocks of every page up to `limit` (at most
-// kMaxMidstates at a time) are hashed on the page threads, if they are enough bytes to be worth
-// threads; installments then only finish their keys, one block each, in chain order. On an H200
-// host (16 cores) a lookup of 1024 cached pages hashed them in installments of 16, 32, 64... on one
-// thread, ~1.1 us a page, most of the call's CPU time.
+// can be hashed before the chain reaches it. The token blocks of each installment's pages (at
+// most kMaxMidstates at a time) are hashed on the page threads if they are enough bytes to be
+// worth threads; the installment then only finishes its keys, one block each, in chain order.
+// On an H200 host (16 cores) a lookup of 1024 cached pages hashed them in installments of 16,
+// 32, 64... on one thread, ~1.1 us a page, most of the call's CPU time.
 
 #include <cstdint>
 #include <span>
@@ -22,18 +23,14 @@ namespace hicache::detail {
 
 class ChainHasher {
  public:
-  /// How far the page threads hash token blocks ahead of the keys asked for.
-  enum class Ahead {
-    kToLimit,  ///< a lookup: to the limit at once (it walks again after each installment)
-    kToUpto,   ///< a store: each installment's own pages (its copies run while the next hashes)
-  };
   /// @throws std::invalid_argument if block_tokens < 1 or key_bits is not in [1, 128].
   ChainHasher(std::string_view salt, std::span<const std::int32_t> tokens,
-              std::int64_t block_tokens, std::int64_t limit, int key_bits,
-              Ahead ahead = Ahead::kToLimit);
+              std::int64_t block_tokens, std::int64_t limit, int key_bits);
   /// Appends to `keys` (this chain's first keys.size() keys) the keys of the next pages, up to
   /// `upto` in all (and at most `limit` and the prompt's full pages).
   void extend(std::vector<Key>& keys, std::int64_t upto);
+  /// Keys computed by every ChainHasher in the process so far (tests: which calls hash what).
+  static std::uint64_t keys_hashed();
 
  private:
   static constexpr std::size_t kMaxMidstates = 8192;  // ~220 bytes each
@@ -46,7 +43,6 @@ class ChainHasher {
   std::size_t block_tokens_;
   std::size_t limit_;  // pages: min(limit, full pages)
   int key_bits_;
-  Ahead ahead_;
   std::vector<Blake2b> mids_;  // pages [mids_first_, mids_first_ + mids_.size())
   std::size_t mids_first_ = 0;
 };

@@ -1,6 +1,7 @@
 #include "hicache/hash_chain.hpp"
 
 #include <algorithm>
+#include <atomic>
 #include <bit>
 #include <cstring>
 #include <stdexcept>
@@ -83,12 +84,11 @@ void extend_chain_keys(std::vector<Key>& keys, std::string_view salt,
 namespace detail {
 
 ChainHasher::ChainHasher(std::string_view salt, std::span<const std::int32_t> tokens,
-                         std::int64_t block_tokens, std::int64_t limit, int key_bits, Ahead ahead)
+                         std::int64_t block_tokens, std::int64_t limit, int key_bits)
     : salt_(reinterpret_cast<const std::uint8_t*>(salt.data()), salt.size()),
       tokens_(tokens),
       block_tokens_(static_cast<std::size_t>(block_tokens)),
-      key_bits_(key_bits),
-      ahead_(ahead) {
+      key_bits_(key_bits) {
   if (block_tokens < 1) throw std::invalid_argument("block_tokens must be >= 1");
   if (key_bits < 1 || key_bits > 128) throw std::invalid_argument("key_bits must be in [1, 128]");
   const auto full = static_cast<std::int64_t>(tokens.size()) / block_tokens;
@@ -114,20 +114,26 @@ void ChainHasher::hash_blocks_ahead(std::size_t first, std::size_t end) {
       kHashBytesPerThread);
 }
 
+namespace {
+std::atomic<std::uint64_t> keys_hashed_total{0};
+}  // namespace
+
+std::uint64_t ChainHasher::keys_hashed() {
+  return keys_hashed_total.load(std::memory_order_relaxed);
+}
+
 void ChainHasher::extend(std::vector<Key>& keys, std::int64_t upto) {
   const std::size_t n = std::min(limit_, static_cast<std::size_t>(std::max<std::int64_t>(0, upto)));
+  if (n > keys.size()) keys_hashed_total.fetch_add(n - keys.size(), std::memory_order_relaxed);
   keys.reserve(n);
   while (keys.size() < n) {
     const std::size_t i = keys.size();
     const bool ahead = i >= mids_first_ && i < mids_first_ + mids_.size();
-    // A lookup hashes ahead to the limit once the keys are wanted past a first installment (its
-    // first pages all hit), or at once when they are wanted to the limit; a store hashes each
-    // installment's pages ahead as it asks for them.
-    const std::size_t end = ahead_ == Ahead::kToLimit ? limit_ : n;
-    const bool worth_it =
-        (end - i) * block_tokens_ * sizeof(std::int32_t) >= 2 * kHashBytesPerThread;
-    if (!ahead && worth_it && (i > 0 || n == limit_ || ahead_ == Ahead::kToUpto)) {
-      hash_blocks_ahead(i, end);
+    // Each installment's pages are hashed ahead as it asks for them (hashing every later page
+    // ahead at once kept a store's first copies waiting behind it: BENCHMARKS.md).
+    const bool worth_it = (n - i) * block_tokens_ * sizeof(std::int32_t) >= 2 * kHashBytesPerThread;
+    if (!ahead && worth_it) {
+      hash_blocks_ahead(i, n);
       continue;
     }
     Blake2b h(16);

@@ -14,6 +14,7 @@
 #include "hicache/hash_chain.hpp"
 #include "hicache/tier_record.hpp"
 #include "layer_queue.hpp"
+#include "page_checksum.hpp"
 #include "page_threads.hpp"
 #include "tier_link.hpp"
 
@@ -35,6 +36,37 @@ void copy_state(Copier& copier, Direction dir, const StateBuffers& state, std::b
 
 bool same_tokens(const std::vector<std::int32_t>& a, std::span<const std::int32_t> b) {
   return a.size() == b.size() && std::equal(a.begin(), a.end(), b.begin());
+}
+
+// A page's content edge (PrefixIndex::add_edge): a fast checksum of its tokens, ~20 ns where
+// its chain key takes ~0.6 us of BLAKE2b.
+std::uint64_t page_fingerprint(std::span<const std::int32_t> page) {
+  return detail::checksum_copy(std::as_bytes(page), nullptr);
+}
+
+// Extends `chain` along the prompt's pages [chain.size(), limit) with the pages the index holds
+// under the chain's last page (the first under `root`) with the same tokens, found by content:
+// nothing is hashed. The same pages, in the same order, as the keyed walks find (a page's key is
+// a function of its tokens and its parent's key, so the entry under (parent, tokens) is the one
+// under the key), as far as content reaches: a page whose edge another entry holds is found by
+// key only, so callers go on with the keyed walk from where this stops. `ready_only`: a lookup
+// serves only completed pages; a store's walk also goes through pages another request's copy
+// is still filling (walk_store does). Returns chain.size().
+std::size_t walk_by_content(PrefixIndex& index, std::span<const std::int32_t> tokens,
+                            std::size_t block_tokens, std::size_t limit, std::uint64_t root,
+                            std::vector<Entry*>& chain, bool ready_only) {
+  std::uint64_t parent = chain.empty() ? root : chain.back()->serial;
+  for (std::size_t i = chain.size(); i < limit; ++i) {
+    const auto page = tokens.subspan(i * block_tokens, block_tokens);
+    Entry* e = index.find_edge(parent, page_fingerprint(page));
+    if (e == nullptr || e->parent_serial != parent || (ready_only && !e->ready) ||
+        !same_tokens(e->tokens, page)) {
+      break;
+    }
+    chain.push_back(e);
+    parent = e->serial;
+  }
+  return chain.size();
 }
 
 }  // namespace
@@ -62,6 +94,7 @@ struct HostPrefixCache::TierSide {
                  if (c.host_slot(c.mover_.pool(), e->slot, unpinned) == nullptr) return false;
                  const auto toks = spec.prompt.subspan(i * B, B);
                  e->tokens.assign(toks.begin(), toks.end());
+                 c.pages_.add_edge(e, page_fingerprint(toks));
                  return true;
                });
     // Fresh entries (pending, pinned by the walk) get values; pages host memory had are pinned
@@ -338,39 +371,37 @@ std::int64_t HostPrefixCache::try_resume(std::string_view request_id,
   const auto n_prompt = static_cast<std::int64_t>(prompt.size());
   const std::int64_t max_pages = std::max<std::int64_t>(0, n_prompt - config_.keep_tokens) / B;
   const std::string_view chain_salt = salt.value_or(std::string_view(config_.salt));
-  // Keys are hashed lazily, outside the lock, in doubling installments: a lookup that misses
-  // in its first 16 pages hashes nothing more. Past them, the rest's token blocks are hashed
-  // ahead on the page threads and each installment only finishes its keys (ChainHasher). After
-  // each installment the walk starts again under the lock, so nothing found before an unlock is
-  // trusted after it.
-  std::vector<Key> keys;
-  detail::ChainHasher hasher(chain_salt, prompt, B, max_pages, config_.key_bits);
-  hasher.extend(keys, std::min<std::int64_t>(max_pages, kFirstKeys));
 
   std::unique_lock<std::mutex> lock(mu_);
   retire_completed();
   note_request(request_id);
   ++stats_.lookups;
   stats_.lookup_tokens += n_prompt;
-  if (disabled_ || keys.empty()) return 0;
+  if (disabled_ || max_pages == 0) return 0;
 
+  // Cached pages are found by content (walk_by_content): their keys are their entries', and
+  // nothing is hashed. Past them, a page may still be cached under its key, so the keyed walk
+  // goes on from there, hashing in doubling installments (16, 32, 64... pages) while pages
+  // match: a lookup that misses there hashes 16 pages. Each installment's token blocks are
+  // hashed on the page threads once they are enough bytes (ChainHasher).
+  const std::uint64_t root = find_root(chain_salt);
   std::vector<Entry*> matched;
+  walk_by_content(pages_, prompt, static_cast<std::size_t>(B), static_cast<std::size_t>(max_pages),
+                  root, matched, /*ready_only=*/true);
+  std::vector<Key> keys;
+  keys.reserve(matched.size() + kFirstKeys);
+  for (const Entry* e : matched) keys.push_back(e->key);
   const auto same_page = [&](std::size_t i, const Entry* e) {  // exact: the tokens, not the hash
     return same_tokens(
         e->tokens, prompt.subspan(i * static_cast<std::size_t>(B), static_cast<std::size_t>(B)));
   };
-  for (;;) {
-    matched.clear();
+  detail::ChainHasher hasher(chain_salt, prompt, B, max_pages, config_.key_bits);
+  for (std::int64_t step = kFirstKeys;
+       matched.size() == keys.size() && static_cast<std::int64_t>(keys.size()) < max_pages;
+       step *= 2) {
+    hasher.extend(keys, std::min(max_pages, static_cast<std::int64_t>(keys.size()) + step));
     // Root 0 (no page under this salt) matches no entry: every serial is >= 1.
-    walk_cached(pages_, keys, keys.size(), find_root(chain_salt), matched, same_page);
-    if (matched.size() < keys.size() || static_cast<std::int64_t>(keys.size()) >= max_pages) {
-      break;
-    }
-    lock.unlock();
-    hasher.extend(keys,
-                  std::min<std::int64_t>(max_pages, 2 * static_cast<std::int64_t>(keys.size())));
-    lock.lock();
-    if (disabled_) return 0;
+    walk_cached(pages_, keys, keys.size(), root, matched, same_page);
   }
   // A host miss before the cap: the rest of the prefix may be in the shared tier. Fetched pages
   // enter host memory like stored ones, then the walk runs again and serves them.
@@ -383,7 +414,7 @@ std::int64_t HostPrefixCache::try_resume(std::string_view request_id,
                        from_tier,
                        max_pages,
                        config_.key_bits,
-                       {}});
+                       keys});  // the tier thread hashes the rest
     } else {
       lock.unlock();
       hasher.extend(keys, max_pages);
@@ -595,23 +626,29 @@ std::int64_t HostPrefixCache::store(std::string_view request_id,
   mover_.layout().check_blocks(block_ids.first(static_cast<std::size_t>(n_full)), false,
                                "store: block_ids");
   const std::string_view chain_salt = salt.value_or(std::string_view(config_.salt));
-  // Keys are hashed, admitted and copied in installments (16 pages, then as many again as the
-  // store has so far: 16, 32, 64...), so the first copies run while the rest of a long prompt is
-  // hashed: a 1024-page prompt's chain takes 0.5-1 ms, as long as the copy of 1024 pages of
-  // ~64 KiB (on an H200, 1024-page stores of 0.5-1 MiB pages went from 0.78-0.89 of one
-  // contiguous copy to 0.91-0.98). The first installment is hashed outside the lock; later ones
-  // under it: the chain's cached pages, unpinned between walks, must stay where the walk found
-  // them, and the admission policy's observe_more continues this store's observe.
-  std::vector<Key> keys;
-  detail::ChainHasher hasher(chain_salt, tokens, B, n_full, config_.key_bits,
-                             detail::ChainHasher::Ahead::kToUpto);
-  hasher.extend(keys, std::min<std::int64_t>(n_full, kFirstKeys));
-
+  // The prompt's cached pages are found by content, as a lookup finds them (walk_by_content):
+  // their keys are their entries'. The rest is hashed, admitted and copied in installments (the
+  // cached pages and 16 more, then as many again as the store has so far), so the first copies
+  // run while the rest of a long prompt is hashed: a 1024-page prompt's chain takes 0.5-1 ms, as
+  // long as the copy of 1024 pages of ~64 KiB (on an H200, 1024-page stores of 0.5-1 MiB pages
+  // went from 0.78-0.89 of one contiguous copy to 0.91-0.98). Under the lock: the chain's
+  // cached pages, unpinned between walks, must stay where the walk found them, and the
+  // admission policy's observe_more continues this store's observe.
   std::unique_lock<std::mutex> lock(mu_);
   retire_completed();
   note_request(request_id);
   if (disabled_) return 0;
   ++stats_.stores;
+  const std::uint64_t root = n_full > 0 ? intern_root(chain_salt) : 0;
+  StoreWalk w;  // w.chain: every page of the prompt's chain now in the index
+  walk_by_content(pages_, tokens, static_cast<std::size_t>(B), static_cast<std::size_t>(n_full),
+                  root, w.chain, /*ready_only=*/false);
+  std::vector<Key> keys;
+  keys.reserve(w.chain.size() + kFirstKeys);
+  for (const Entry* e : w.chain) keys.push_back(e->key);
+  detail::ChainHasher hasher(chain_salt, tokens, B, n_full, config_.key_bits);
+  hasher.extend(
+      keys, std::min<std::int64_t>(n_full, static_cast<std::int64_t>(keys.size()) + kFirstKeys));
   admission_.observe(keys);
 
   // Transfers of this call stay open (never retired, so never published) until it returns; if
@@ -635,9 +672,7 @@ std::int64_t HostPrefixCache::store(std::string_view request_id,
   };
   std::int64_t new_pages = 0;
   bool unpinned = false;  // stopped at a slot whose memory is not pinned yet
-  StoreWalk w;            // w.chain: every page of the prompt's chain now in the index
-  const std::uint64_t root = n_full > 0 ? intern_root(chain_salt) : 0;
-  for (;;) {  // one installment: walk its keys, enqueue its copies
+  for (;;) {              // one installment: walk its keys, enqueue its copies
     Transfer t;
     t.request = std::string(request_id);
     t.is_store = true;
@@ -655,6 +690,7 @@ std::int64_t HostPrefixCache::store(std::string_view request_id,
           const auto page =
               tokens.subspan(i * static_cast<std::size_t>(B), static_cast<std::size_t>(B));
           e->tokens.assign(page.begin(), page.end());
+          pages_.add_edge(e, page_fingerprint(page));
           moves.push_back({block_ids[i], host});
           t.pages.push_back(e);
           if (link_) t.parents.push_back(i == 0 ? tier_salt_digest(chain_salt) : keys[i - 1]);

@@ -14,7 +14,39 @@ PrefixIndex::PrefixIndex(std::int64_t capacity, EvictionPolicy policy)
 
 Entry* PrefixIndex::find(const Key& key) { return table_.find(key); }
 
+namespace {
+
+// The edge table's key for (parent serial, content fingerprint); never 0 (Entry::edge's "none").
+std::uint64_t edge_key(std::uint64_t parent_serial, std::uint64_t fingerprint) {
+  const std::uint64_t k =
+      fingerprint ^ (parent_serial * 0x9E3779B97F4A7C15ULL + 0x632BE59BD9B4E019ULL);
+  return k == 0 ? 1 : k;
+}
+
+}  // namespace
+
+void PrefixIndex::add_edge(Entry* e, std::uint64_t fingerprint) {
+  const std::uint64_t k = edge_key(e->parent_serial, fingerprint);
+  if (e->edge == k) return;
+  if (e->edge != 0) {  // its content changed: the old edge goes
+    auto it = edges_.find(e->edge);
+    if (it != edges_.end() && it->second == e) edges_.erase(it);
+    e->edge = 0;
+  }
+  if (edges_.try_emplace(k, e).second) e->edge = k;
+}
+
+Entry* PrefixIndex::find_edge(std::uint64_t parent_serial, std::uint64_t fingerprint) const {
+  auto it = edges_.find(edge_key(parent_serial, fingerprint));
+  return it == edges_.end() ? nullptr : it->second;
+}
+
 void PrefixIndex::drop(Entry* e) {
+  if (e->edge != 0) {
+    auto it = edges_.find(e->edge);
+    if (it != edges_.end() && it->second == e) edges_.erase(it);
+    e->edge = 0;
+  }
   forget_child(e);
   unlink(e);
   table_.erase(e);

@@ -242,7 +242,8 @@ TierLink::Rounds::Rounds(std::size_t pages, std::size_t most)
 TierLink::Rounds TierLink::rounds(std::size_t pages) const { return {pages, round_pages_}; }
 
 void TierLink::prefetch_now(FetchJob& job) {
-  job.keys = chain_keys(job.salt, job.prompt, block_tokens_, job.max_pages, job.key_bits);
+  // The keys the lookup had (its cached pages'), then the rest.
+  extend_chain_keys(job.keys, job.salt, job.prompt, block_tokens_, job.max_pages, job.key_bits);
   fetch_into({job.keys, job.prompt, job.salt}, job.from, Clock::now() + kPrefetchDeadline);
 }
 

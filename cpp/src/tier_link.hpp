@@ -90,7 +90,7 @@ class TierLink {
     std::size_t from = 0;
     std::int64_t max_pages = 0;
     int key_bits = 128;
-    std::vector<Key> keys;  // filled by the tier thread
+    std::vector<Key> keys;  // the lookup's first keys; the tier thread adds the rest
   };
   /// The cache's side; each call takes the cache's lock.
   struct Host {

@@ -414,9 +414,17 @@ class ReferenceCache:
         self._retire()
         self.requests.setdefault(request_id, 0)
         self.c["stores"] += 1
-        # Installments of 16 pages, then as many again as the store has so far (16, 32, 64...),
-        # each admitted and copied before the next is observed, as HostPrefixCache::store does.
-        bounds = [0, min(n_full, 16)]
+        # The cached prefix (found by content in C++, without hashing), then installments: the
+        # prefix and 16 pages, then as many again as the store has so far, each admitted and
+        # copied before the next is observed, as HostPrefixCache::store does.
+        cached, parent = 0, self._root(chain_salt)
+        for i in range(n_full):
+            e = self.pages.find(keys[i])
+            page = tuple(int(x) for x in tokens[i * B : (i + 1) * B])
+            if e is None or e.parent_serial != parent or e.tokens != page:
+                break
+            cached, parent = i + 1, e.serial
+        bounds = [0, min(n_full, cached + 16)]
         while bounds[-1] < n_full:
             bounds.append(min(n_full, 2 * bounds[-1]))
         self.admission.observe(keys[: bounds[1]])

@@ -155,8 +155,9 @@ TEST(HashChain, LongPromptsHashedOnSeveralThreadsGiveThePageByPageChain) {
   }
 }
 
-// A lookup's installments (16, 32, 64... pages: the token blocks of the rest hashed ahead on the
-// page threads once it goes past the first) give the page-by-page chain, up to the limit.
+// Installments (16, 32, 64... pages, each one's token blocks hashed ahead on the page threads once
+// they are enough bytes) give the page-by-page chain, up to the limit; so does a hasher that
+// starts from keys it did not compute (a lookup's cached pages, whose keys are their entries').
 TEST(HashChain, InstallmentsOfALookupGiveTheSameKeys) {
   const auto t = iota_tokens(128 * 9000 + 5);  // past one run of midstates (8192 pages)
   for (const std::string salt : {"", "s"}) {
@@ -171,6 +172,10 @@ TEST(HashChain, InstallmentsOfALookupGiveTheSameKeys) {
       }
       hasher.extend(keys, limit + 5);  // nothing past the limit
       EXPECT_EQ(keys, expect) << salt << " " << limit;
+      const std::size_t given = std::min<std::size_t>(1000, expect.size());
+      std::vector<hicache::Key> rest(expect.begin(), expect.begin() + static_cast<long>(given));
+      hicache::detail::ChainHasher(salt, t, 128, limit, 128).extend(rest, limit);
+      EXPECT_EQ(rest, expect) << salt << " " << limit << " from " << given;
     }
   }
 }

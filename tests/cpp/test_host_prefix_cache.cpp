@@ -10,6 +10,7 @@
 #include <random>
 #include <thread>
 
+#include "chain_hasher.hpp"
 #include "fake_engine.hpp"
 #include "hicache/hicache.hpp"
 #include "test_support.hpp"
@@ -53,8 +54,9 @@ TEST(HostPrefixCache, LayerMajorFourSegmentsWithPaddedStridesRoundTripExactly) {
 }
 
 TEST(HostPrefixCache, LongHitsAndLateMissesAcrossTheHashingInstallments) {
-  // try_resume hashes 16 pages, then doubles while every page matches: hits and misses on both
-  // sides of 16, 32 and 64 pages must be exactly what is cached.
+  // A store hashes, admits and copies 16 pages, then 16, 32...; a lookup finds cached pages by
+  // content and hashes 16 pages past them: hits and misses on both sides of 16, 32 and 64 pages
+  // must be exactly what is cached.
   FakeEngine eng(256, {8});
   HostPrefixCache cache(eng.segments(), {}, small_config(200));
   const auto base = tokens(100 * 16 + 1);
@@ -80,8 +82,8 @@ TEST(HostPrefixCache, LongHitsAndLateMissesAcrossTheHashingInstallments) {
   cache.forget("x");
 }
 
-// Past its first 16 pages a lookup hashes the rest's token blocks ahead on the page threads
-// (thousands of pages here, in two runs of midstates): hits end exactly where the cache does.
+// A long store hashes its later installments' token blocks ahead on the page threads (thousands
+// of pages here); lookups then find the pages by content: hits end exactly where the cache does.
 TEST(HostPrefixCache, LongPromptsHashedAheadHitExactlyWhatIsCached) {
   constexpr std::int64_t kPages = 9000;
   FakeEngine eng(2 * kPages + 2, {8});
@@ -104,6 +106,50 @@ TEST(HostPrefixCache, LongPromptsHashedAheadHitExactlyWhatIsCached) {
   }
   EXPECT_EQ(cache.try_resume("w", base, give(ids(kPages + 1, kPages + 1))), kPages * 16);
   cache.forget("w");
+}
+
+// Cached pages are found by their content (parent and tokens), not by hashing their chain keys:
+// a lookup of a cached prefix hashes only past it, and a store of a longer prompt (the next turn)
+// hashes only its new pages.
+TEST(HostPrefixCache, ACachedPrefixIsFoundByContentWithoutHashingIt) {
+  using hicache::detail::ChainHasher;
+  FakeEngine eng(256, {8});
+  HostPrefixCache cache(eng.segments(), {}, small_config(200));
+  for (std::int64_t b = 0; b < 100; ++b) eng.fill(b, static_cast<std::uint32_t>(300 + b));
+  const auto turn1 = tokens(60 * 16 + 1);
+  std::uint64_t before = ChainHasher::keys_hashed();
+  ASSERT_EQ(cache.store("s", turn1, ids(0, 61)), 60);
+  EXPECT_EQ(ChainHasher::keys_hashed() - before, 60u);  // a new prompt: every page hashed
+  cache.poll();
+  cache.forget("s");
+
+  before = ChainHasher::keys_hashed();
+  EXPECT_EQ(cache.try_resume("r", turn1, give(ids(100, 61))), 60 * 16);
+  EXPECT_EQ(ChainHasher::keys_hashed() - before, 0u);
+  for (std::int64_t b = 0; b < 60; ++b) ASSERT_EQ(eng.page(100 + b), eng.page(b)) << b;
+  cache.poll();
+  cache.forget("r");
+
+  auto turn2 = tokens(70 * 16 + 1);  // the next turn: the same 60 pages, then 10 new ones
+  before = ChainHasher::keys_hashed();
+  EXPECT_EQ(cache.try_resume("t", turn2, give(ids(100, 71))), 60 * 16);
+  EXPECT_EQ(ChainHasher::keys_hashed() - before, 10u);  // only past the cached pages
+  cache.poll();
+  cache.forget("t");
+  before = ChainHasher::keys_hashed();
+  EXPECT_EQ(cache.store("t2", turn2, ids(0, 71)), 10);
+  EXPECT_EQ(ChainHasher::keys_hashed() - before, 10u);
+  cache.poll();
+  cache.forget("t2");
+  EXPECT_EQ(cache.try_resume("u", turn2, give(ids(100, 71))), 70 * 16);
+  cache.forget("u");
+
+  // Negative control: the same prompt under another salt has no cached page; its lookup hashes
+  // its first installment and misses.
+  before = ChainHasher::keys_hashed();
+  EXPECT_EQ(cache.try_resume("v", turn2, give(ids(100, 71)), nullptr, std::nullopt, "other"), 0);
+  EXPECT_EQ(ChainHasher::keys_hashed() - before, 16u);
+  cache.forget("v");
 }
 
 TEST(HostPrefixCache, KeepTokensCapLeavesTheTailToCompute) {

@@ -89,3 +89,32 @@ TEST(PrefixIndex, LeafFirstSkipsEntriesWithCachedChildren) {
   ASSERT_NE(idx.insert(key(4), 14, 1), nullptr);
   EXPECT_EQ(idx.find(key(0)), nullptr);
 }
+
+TEST(PrefixIndex, ContentEdgesFindAnEntryByParentAndFingerprintUntilItGoes) {
+  hicache::PrefixIndex idx(2, hicache::EvictionPolicy::kLru);
+  hicache::Entry* a = idx.insert(key(1), 10, 5);
+  idx.add_edge(a, 777);
+  EXPECT_EQ(idx.find_edge(5, 777), a);
+  EXPECT_EQ(idx.find_edge(5, 778), nullptr);  // another content
+  EXPECT_EQ(idx.find_edge(6, 777), nullptr);  // the same content under another parent
+  // A second entry with the same edge is found by its key only: the first keeps the edge.
+  hicache::Entry* b = idx.insert(key(2), 11, 5);
+  idx.add_edge(b, 777);
+  EXPECT_EQ(idx.find_edge(5, 777), a);
+  EXPECT_EQ(b->edge, 0u);
+  // An erased entry's edge goes with it (a reused Entry must not answer for the old content).
+  idx.unpin(a);
+  idx.erase(a);
+  EXPECT_EQ(idx.find_edge(5, 777), nullptr);
+  idx.add_edge(b, 777);  // now it can take it
+  EXPECT_EQ(idx.find_edge(5, 777), b);
+  // So does an evicted entry's.
+  idx.unpin(b);
+  b->ready = true;
+  hicache::Entry* c = idx.insert(key(3), 12, 5);
+  ASSERT_NE(c, nullptr);
+  hicache::Entry* d = idx.insert(key(4), 13, 5);  // full: evicts b, the only idle entry
+  ASSERT_NE(d, nullptr);
+  EXPECT_EQ(idx.find(key(2)), nullptr);
+  EXPECT_EQ(idx.find_edge(5, 777), nullptr);
+}

@@ -222,9 +222,11 @@ def test_the_tier_is_waited_on_not_polled(master, blocks: bool) -> None:
     b = hicache.HostPrefixCache(kv_b, block_tokens=B, capacity_pages=64, tier=tier, tier_wait_ms=5000)
     assert _resume(b, kv_b, "b", prompt) == 8 * B
     assert np.array_equal(kv_b, kv_a)
-    if blocks:  # one put, one get
-        assert tier.waits == 2 and tier.polls <= 4, (tier.waits, tier.polls)
-    else:
+    if blocks:  # one put, one get: at most a poll before and after each, and one wait between
+        # (a batch the client finished before its first poll needs no wait: seen on a loaded
+        # 2-core machine, waits 1 and polls 3)
+        assert tier.waits <= 2 and tier.polls <= 4 and tier.polls + tier.waits >= 2, (tier.waits, tier.polls)
+    else:  # the control: the same batches, polled, take more polls than that
         assert tier.waits == 0 and tier.polls > 4, tier.polls
 
 

@@ -32,6 +32,8 @@ struct Entry {
   /// Pages fetched from a tier into a cache whose copier checks pages as it loads them: the
   /// checksum the page's bytes must have, until its first load checked them.
   std::optional<std::uint64_t> unchecked;
+  /// Pages found by content (PrefixIndex::add_edge): the edge's table key, 0 if none.
+  std::uint64_t edge = 0;
 
   Entry* lru_prev = nullptr;  ///< towards least recently used
   Entry* lru_next = nullptr;  ///< towards most recently used
@@ -82,6 +84,16 @@ class PrefixIndex {
   /// Whether an insert would have to evict.
   bool full() const { return size() >= capacity_; }
   std::int64_t evictions() const { return evictions_; }
+  /// Content edges, for pages that carry tokens: an entry may also be found by its parent's
+  /// serial and a fingerprint of its tokens, so that a walk along a prompt whose pages are
+  /// cached needs no chain key (hashing a page with BLAKE2b costs several times more than
+  /// fingerprinting and comparing its tokens). find_edge may return another entry (fingerprints
+  /// and the edge table's keys can collide): callers check its parent and compare its tokens.
+  /// An edge is dropped with its entry; at most one entry holds a given edge (a second is found
+  /// by its key only).
+  void add_edge(Entry* e, std::uint64_t fingerprint);
+  Entry* find_edge(std::uint64_t parent_serial, std::uint64_t fingerprint) const;
+
   /// Whether some entry names `serial` as its parent (a salt root: whether any page 0 uses it).
   bool has_children(std::uint64_t serial) const { return children_.count(serial) != 0; }
   /// Entries held by a transfer or pending their store.
@@ -109,6 +121,7 @@ class PrefixIndex {
   std::int64_t busy_ = 0;
   EvictionPolicy policy_;
   std::unordered_map<std::uint64_t, std::int32_t> children_;  // parent serial -> cached children
+  std::unordered_map<std::uint64_t, Entry*> edges_;           // (parent, content) -> entry
 };
 
 }  // namespace hicache
