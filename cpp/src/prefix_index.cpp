@@ -25,26 +25,26 @@ std::uint64_t edge_key(std::uint64_t parent_serial, std::uint64_t fingerprint) {
 
 }  // namespace
 
+// An entry's edge is nonzero only while it holds that edge in edges_.
 void PrefixIndex::add_edge(Entry* e, std::uint64_t fingerprint) {
   const std::uint64_t k = edge_key(e->parent_serial, fingerprint);
   if (e->edge == k) return;
   if (e->edge != 0) {  // its content changed: the old edge goes
-    auto it = edges_.find(e->edge);
-    if (it != edges_.end() && it->second == e) edges_.erase(it);
+    edges_.erase(e);
     e->edge = 0;
   }
-  if (edges_.try_emplace(k, e).second) e->edge = k;
+  if (edges_.find(k) != nullptr) return;  // another entry's: this one is found by key
+  e->edge = k;
+  edges_.insert(e);
 }
 
 Entry* PrefixIndex::find_edge(std::uint64_t parent_serial, std::uint64_t fingerprint) const {
-  auto it = edges_.find(edge_key(parent_serial, fingerprint));
-  return it == edges_.end() ? nullptr : it->second;
+  return edges_.find(edge_key(parent_serial, fingerprint));
 }
 
 void PrefixIndex::drop(Entry* e) {
   if (e->edge != 0) {
-    auto it = edges_.find(e->edge);
-    if (it != edges_.end() && it->second == e) edges_.erase(it);
+    edges_.erase(e);
     e->edge = 0;
   }
   forget_child(e);

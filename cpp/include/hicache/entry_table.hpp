@@ -1,6 +1,7 @@
 #pragma once
-// EntryTable: key -> entry pointer, PrefixIndex's lookup structure (internal; not for engines):,
-// open addressing with linear probing over a flat array.
+// EntryTable: key -> entry pointer, PrefixIndex's lookup structures (internal; not for engines):
+// open addressing with linear probing over a flat array. By chain key (KeyOfEntry), and by
+// content edge (EdgeOfEntry: PrefixIndex::add_edge).
 //
 // The index looks a key up for every page of every lookup and store; a node-based
 // std::unordered_map costs two or three cache misses a lookup (bucket, node, and a modulo by a
@@ -17,23 +18,46 @@
 
 namespace hicache {
 
-/// E: an entry type with a `Key key` member.
+/// An entry's chain key (a `Key key` member); the tag is its first eight bytes.
 template <class E>
+struct KeyOfEntry {
+  using K = Key;
+  static const Key& of(const E* e) { return e->key; }
+  static std::uint64_t tag(const Key& k) {
+    std::uint64_t t;
+    std::memcpy(&t, k.bytes.data(), sizeof t);
+    return t;
+  }
+};
+
+/// An entry's content edge (a `std::uint64_t edge` member): its own tag.
+template <class E>
+struct EdgeOfEntry {
+  using K = std::uint64_t;
+  static const std::uint64_t& of(const E* e) { return e->edge; }
+  static std::uint64_t tag(std::uint64_t k) { return k; }
+};
+
+/// E: an entry type; By: which of its members keys the table (it must not change while the
+/// entry is in the table).
+template <class E, class By = KeyOfEntry<E>>
 class EntryTable {
+  using K = typename By::K;
+
  public:
   EntryTable() : slots_(16) {}
 
-  E* find(const Key& key) const {
-    const std::uint64_t t = tag(key);
+  E* find(const K& key) const {
+    const std::uint64_t t = By::tag(key);
     for (std::size_t i = home(t);; i = next(i)) {
       const Slot& s = slots_[i];
       if (s.entry == nullptr) return nullptr;
-      if (s.tag == t && s.entry->key == key) return s.entry;
+      if (s.tag == t && By::of(s.entry) == key) return s.entry;
     }
   }
 
   /// Hints the CPU to fetch the slot where key's probe starts (a large table misses the caches).
-  void prefetch(const Key& key) const { __builtin_prefetch(&slots_[home(tag(key))]); }
+  void prefetch(const K& key) const { __builtin_prefetch(&slots_[home(By::tag(key))]); }
 
   /// The key must be absent.
   void insert(E* e) {
@@ -44,7 +68,7 @@ class EntryTable {
 
   /// The entry must be present.
   void erase(const E* e) {
-    std::size_t i = home(tag(e->key));
+    std::size_t i = home(By::tag(By::of(e)));
     while (slots_[i].entry != e) i = next(i);
     // Backward-shift deletion: move later members of the probe run into the hole.
     for (std::size_t j = next(i);; j = next(j)) {
@@ -67,18 +91,13 @@ class EntryTable {
     std::uint64_t tag = 0;
     E* entry = nullptr;
   };
-  static std::uint64_t tag(const Key& k) {
-    std::uint64_t t;
-    std::memcpy(&t, k.bytes.data(), sizeof t);
-    return t;
-  }
   // Fibonacci hashing of the tag: keys from tests with few key bits are not uniform.
   std::size_t home(std::uint64_t t) const {
     return static_cast<std::size_t>((t * 0x9e3779b97f4a7c15ULL) >> shift_);
   }
   std::size_t next(std::size_t i) const { return (i + 1) & (slots_.size() - 1); }
   void place(E* e) {
-    const std::uint64_t t = tag(e->key);
+    const std::uint64_t t = By::tag(By::of(e));
     std::size_t i = home(t);
     while (slots_[i].entry != nullptr) i = next(i);
     slots_[i] = {t, e};

@@ -121,7 +121,7 @@ class PrefixIndex {
   std::int64_t busy_ = 0;
   EvictionPolicy policy_;
   std::unordered_map<std::uint64_t, std::int32_t> children_;  // parent serial -> cached children
-  std::unordered_map<std::uint64_t, Entry*> edges_;           // (parent, content) -> entry
+  EntryTable<Entry, EdgeOfEntry<Entry>> edges_;               // (parent, content) -> entry
 };
 
 }  // namespace hicache
