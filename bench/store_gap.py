@@ -94,7 +94,7 @@ def measure(chunk: int, nseg: int) -> None:
         return run
 
     def store() -> None:
-        p.store(p.prompt(), p.s1)
+        p.store(p.fresh(), p.s1)
 
     def sleep() -> None:
         with torch.cuda.stream(p.s1):

@@ -121,10 +121,14 @@ def _to_numpy_1d(x: Any, what: str) -> np.ndarray:
     return arr
 
 
+_FIT_INT32 = {np.dtype(t) for t in (np.int8, np.int16, np.int32, np.uint8, np.uint16)}
+
+
 def as_tokens(x: Any, what: str = "tokens") -> np.ndarray:
     """Token ids as a contiguous int32 array (the hash chain hashes int32 little-endian)."""
     arr = _to_numpy_1d(x, what)
-    if arr.size and (arr.min() < _INT32.min or arr.max() > _INT32.max):
+    fits = arr.dtype in _FIT_INT32  # no value of these types is out of range: no pass over them
+    if arr.size and not fits and (arr.min() < _INT32.min or arr.max() > _INT32.max):
         raise ValueError(f"{what} must fit in int32 (token ids are hashed as int32)")
     return np.ascontiguousarray(arr, dtype=np.int32)
 
