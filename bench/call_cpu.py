@@ -1,6 +1,7 @@
 """The CPU work of a 1024-page call, without any copy (the null copier): hashing the prompt
-(``hicache.chain_keys``), a lookup whose every page is cached, and stores of a new and of a
-cached prompt. Best of N. Runs on any machine (no GPU needed).
+(``hicache.chain_keys``), a lookup whose every page is cached, and stores of a new prompt (into
+free slots, and into a full pool, evicting as many pages) and of a cached one. Best of N. Runs
+on any machine (no GPU needed).
 
     python3 bench/call_cpu.py [--pages 1024]
 """
@@ -57,6 +58,20 @@ def main() -> None:
     print(f"lookup, all cached {best(lookup, 15):.3f}")
     print(f"store, new prompt {best(store_new, 6):.3f}")
     print(f"store, cached prompt {best(lambda: cache.store('a', prompt, blocks), 15):.3f}")
+
+    full = hicache.HostPrefixCache(
+        segs, block_tokens=B, capacity_pages=4 * pages, copier="null", admission="always"
+    )
+    for i in range(4):  # fill the pool with other prompts: every later page evicts one
+        full.store(f"f{i}", prompt - (i + 1) * 10_000_000, blocks)
+    full.poll()
+
+    def store_full() -> None:
+        n[0] += 1
+        full.store(f"s{n[0]}", prompt + n[0] * 10_000_000, blocks)
+        full.poll()
+
+    print(f"store, new prompt, pool full {best(store_full, 15):.3f}")
 
 
 if __name__ == "__main__":
