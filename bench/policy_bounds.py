@@ -20,7 +20,11 @@ the storing request's own pages) by a score, so that scores which are not an ord
 - ``hazard-online``, ``hazard-out-online``: the same classes, their distributions learned as the
   trace goes instead of known beforehand (per class, a histogram of the gaps seen so far in
   quarter-octave buckets; a reference not followed by another within 16 pools' worth of traffic
-  counts as never read again).
+  counts as never read again);
+- ``hazard-cout``, ``hazard-cturn``, ``hazard-coutturn`` (each also ``-online``): a few coarse
+  classes instead, so that each learns from many gaps: the request's output length alone (log2
+  buckets of 100 tokens, 5 classes), the conversation's turn alone (how often its deepest seen
+  page was seen, up to 3: 4 classes), or both (20 classes).
 
 Admission: ``always``; ``ghost<k>`` (while the pool is full, only pages whose key was in the last
 k pools' worth of prompt keys); ``oracle`` (only pages read again); ``sample<q>`` (ghost4, and
@@ -74,9 +78,21 @@ class Trace:
 OUTPUTS: list[int] = []  # each request's output_length, read from the trace by main()
 
 
+COARSE = [""]  # the coarse classes simulate() uses now: "", "out", "turn" or "outturn"
+
+
+def coarse_class(req: list[Page], seen: Counter[Page], last: dict[Page, int], output: int) -> tuple[int, ...]:
+    out = min(int(math.log2(output / 100 + 1)), 4)
+    deepest = max((i for i, p in enumerate(req) if p in last), default=-1)
+    turn = 0 if deepest < 0 else min(seen[req[deepest]], 3)
+    return {"out": (out,), "turn": (turn,), "outturn": (out, turn)}[COARSE[0]]
+
+
 def prompt_class(
     req: list[Page], seen: Counter[Page], last: dict[Page, int], now: int, output: int | None = None
 ) -> tuple[int, ...]:
+    if COARSE[0]:
+        return coarse_class(req, seen, last, output or 0)
     extra = () if output is None else (min(int(math.log2(output / 25 + 1)), 9),)
     deepest = -1
     for i, p in enumerate(req):
@@ -115,7 +131,13 @@ def gap_distributions(tr: Trace, outputs: bool) -> dict[tuple[int, ...], list[in
 def simulate(tr: Trace, capacity: int, admission: str, eviction: str, horizon: int, seed: int = 1) -> int:
     rnd = random.Random(seed)
     online = eviction.endswith("-online")
-    outputs = eviction.startswith("hazard-out")
+    COARSE[0] = ""
+    for coarse in ("outturn", "turn", "out"):
+        if eviction.startswith(f"hazard-c{coarse}"):
+            COARSE[0] = coarse
+            eviction = "hazard-online" if online else "hazard"
+            break
+    outputs = eviction.startswith("hazard-out") or COARSE[0] in ("out", "outturn")
     hazards = eviction.startswith("hazard") or admission.startswith("compare")
     gaps = gap_distributions(tr, outputs) if hazards and not online else {}
     # Online: per class, a histogram of the gaps seen so far (quarter-octave buckets), and
