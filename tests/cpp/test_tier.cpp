@@ -32,11 +32,12 @@ struct Host {
   std::vector<std::uint8_t> kv = std::vector<std::uint8_t>(16 * kBlockBytes);
   std::unique_ptr<HostPrefixCache> cache;
 
-  Host(std::shared_ptr<MemoryTier> tier, hicache::TierOptions options = {},
-       std::int64_t pages = 32) {
+  Host(std::shared_ptr<hicache::Tier> tier, hicache::TierOptions options = {},
+       std::int64_t pages = 32, std::int64_t pool_chunk_bytes = CacheConfig{}.pool_chunk_bytes) {
     CacheConfig c;
     c.block_tokens = kB;
     c.capacity_pages = pages;
+    c.pool_chunk_bytes = pool_chunk_bytes;
     c.admission = hicache::Admission::kAlways;
     c.tier = std::move(options);
     cache = std::make_unique<HostPrefixCache>(
@@ -498,26 +499,12 @@ TEST(Tier, ATierThatCanBlockIsWaitedOnInsteadOfPolled) {
   for (const bool blocks : {true, false}) {
     SCOPED_TRACE(blocks ? "blocks" : "cannot block (the control)");
     auto tier = std::make_shared<SlowTier>(20ms, blocks);
-    CacheConfig c;
-    c.block_tokens = kB;
-    c.capacity_pages = 32;
-    c.admission = hicache::Admission::kAlways;
-    c.tier.wait_us = 1'000'000;
-    std::vector<std::uint8_t> kv_a(16 * kBlockBytes), kv_b(16 * kBlockBytes, 0);
-    for (std::size_t i = 0; i < kv_a.size(); ++i) kv_a[i] = static_cast<std::uint8_t>(i * 13 + 1);
-    HostPrefixCache a({{kv_a.data(), 16, kBlockBytes, kBlockBytes}}, hicache::Device{}, c, nullptr,
-                      tier);
-    HostPrefixCache b({{kv_b.data(), 16, kBlockBytes, kBlockBytes}}, hicache::Device{}, c, nullptr,
-                      tier);
-    ASSERT_EQ(a.store("a", prompt, ids(0, 6)), 5);
-    a.flush_tier();
-    ASSERT_EQ(a.stats().tier_pages_written, 5);
-    EXPECT_EQ(b.try_resume("b", prompt,
-                           [](std::int64_t n) {
-                             return std::optional<std::vector<std::int64_t>>(ids(0, n / kB));
-                           }),
-              5 * kB);
-    EXPECT_TRUE(std::equal(kv_a.begin(), kv_a.begin() + 5 * kBlockBytes, kv_b.begin()));
+    hicache::TierOptions options;
+    options.wait_us = 1'000'000;
+    Host a(tier, options), b(tier, options);
+    ASSERT_EQ(store_on(a), prompt);
+    EXPECT_EQ(b.resume("b", prompt, 0), 5 * kB);
+    for (std::int64_t i = 0; i < 5; ++i) EXPECT_EQ(b.block(i), a.block(i)) << i;
     if (blocks) {
       EXPECT_GE(tier->waits, 2);  // one put, one get
       EXPECT_LE(tier->waits, 3);
@@ -532,37 +519,20 @@ TEST(Tier, ATierThatCanBlockIsWaitedOnInsteadOfPolled) {
   // without the pauses.
   {
     auto liar = std::make_shared<SlowTier>(20ms, true, true);
-    CacheConfig c;
-    c.block_tokens = kB;
-    c.capacity_pages = 32;
-    c.admission = hicache::Admission::kAlways;
-    std::vector<std::uint8_t> kv(16 * kBlockBytes, 1);
-    HostPrefixCache a({{kv.data(), 16, kBlockBytes, kBlockBytes}}, hicache::Device{}, c, nullptr,
-                      liar);
-    ASSERT_EQ(a.store("a", prompt, ids(0, 6)), 5);
-    a.flush_tier();
-    EXPECT_EQ(a.stats().tier_pages_written, 5);
+    Host a(liar);
+    store_on(a);
     EXPECT_LT(liar->polls, 1000);
     EXPECT_GT(liar->polls, 40);
   }
   // The caller's deadline bounds the wait: a fetch of a batch due in 400 ms gives up after 10.
   auto tier = std::make_shared<SlowTier>(400ms, true);
-  CacheConfig c;
-  c.block_tokens = kB;
-  c.capacity_pages = 32;
-  c.tier.wait_us = 10'000;
-  std::vector<std::uint8_t> kv(16 * kBlockBytes, 0);
-  auto b = std::make_unique<HostPrefixCache>(
-      std::vector<hicache::Segment>{{kv.data(), 16, kBlockBytes, kBlockBytes}}, hicache::Device{},
-      c, nullptr, tier);
+  hicache::TierOptions options;
+  options.wait_us = 10'000;
+  Host b(tier, options);
   const auto t0 = std::chrono::steady_clock::now();
-  EXPECT_EQ(b->try_resume("late", prompt,
-                          [](std::int64_t n) {
-                            return std::optional<std::vector<std::int64_t>>(ids(0, n / kB));
-                          }),
-            0);
+  EXPECT_EQ(b.resume("late", prompt, 0), 0);
   EXPECT_LT(std::chrono::steady_clock::now() - t0, 200ms);
-  EXPECT_EQ(b->stats().tier_fetches_late, 1);
+  EXPECT_EQ(b.cache->stats().tier_fetches_late, 1);
 }
 
 // Puts and gets go in rounds with one batch in flight at a time (the next round is encoded, or
@@ -677,28 +647,16 @@ TEST(Tier, ValuesGoStraightFromAndIntoHostSlotsTheTierWasToldAbout) {
   // released when the caches go.
   auto tier = std::make_shared<RegionTier>();
   {
-    CacheConfig c;
-    c.block_tokens = kB;
-    c.capacity_pages = 8;
-    c.admission = hicache::Admission::kAlways;
     const std::size_t slot = kBlockBytes + hicache::tier_record_bytes(kB);
-    c.pool_chunk_bytes = static_cast<std::int64_t>(2 * ((slot + 255) / 256 * 256));
-    std::vector<std::uint8_t> kv_a(16 * kBlockBytes), kv_b(16 * kBlockBytes, 0);
-    for (std::size_t i = 0; i < kv_a.size(); ++i) kv_a[i] = static_cast<std::uint8_t>(i * 7 + 3);
-    HostPrefixCache a({{kv_a.data(), 16, kBlockBytes, kBlockBytes}}, hicache::Device{}, c, nullptr,
-                      tier);
-    HostPrefixCache b({{kv_b.data(), 16, kBlockBytes, kBlockBytes}}, hicache::Device{}, c, nullptr,
-                      tier);
+    const auto chunk = static_cast<std::int64_t>(2 * ((slot + 255) / 256 * 256));
+    Host a(tier, {}, 8, chunk), b(tier, {}, 8, chunk);
     const auto prompt = tokens(7 * kB + 1, 40);
-    ASSERT_EQ(a.store("a", prompt, ids(0, 7)), 7);
-    a.flush_tier();
-    ASSERT_EQ(a.stats().tier_pages_written, 7);
-    EXPECT_EQ(b.try_resume("b", prompt,
-                           [](std::int64_t n) {
-                             return std::optional<std::vector<std::int64_t>>(ids(0, n / kB));
-                           }),
-              7 * kB);
-    EXPECT_TRUE(std::equal(kv_b.begin(), kv_b.begin() + 7 * kBlockBytes, kv_a.begin()));
+    a.prefill(prompt, 0);
+    ASSERT_EQ(a.cache->store("a", prompt, ids(0, 7)), 7);
+    a.cache->flush_tier();
+    ASSERT_EQ(a.cache->stats().tier_pages_written, 7);
+    EXPECT_EQ(b.resume("b", prompt, 0), 7 * kB);
+    for (std::int64_t i = 0; i < 7; ++i) EXPECT_EQ(b.block(i), a.block(i)) << i;
     EXPECT_EQ(tier->used, 8);  // 4 chunks in each cache's pool, and nothing else
     EXPECT_GE(tier->inside_calls, 14);
     EXPECT_EQ(tier->outside_calls, 0);
