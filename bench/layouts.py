@@ -10,7 +10,8 @@ ratios (contiguous time / hicache time), and the both-at-once ratio (a store on 
 load on another, against two contiguous copies on two streams). ``--cpu-cost`` instead times the
 CPU part of single calls (until they return) for several batch sizes. ``--mover`` also times the
 split API's copy half (``SlotMover``) moving the same pages between shuffled slots and blocks: no
-hashing, no index, only the copy path, i.e. that path's own limit at the point.
+hashing, no index, only the copy path (the one ``--paths`` forced, if it did), i.e. that path's
+own limit at the point.
 
 Engine blocks and host slots are both shuffled, as in a cache that has run for a while.
 
@@ -95,6 +96,7 @@ class Point:
             admission="always",  # every store copies: this measures copies, not the policy
         )
         self.path = self.cache.copy_path
+        self.path_asked = path
         self.pool_bytes = capacity * pages * ((self.page_bytes + 255) // 256 * 256)
         t0 = time.perf_counter()
         while DEVICE == "cuda" and self.cache.stats().host_bytes < self.pool_bytes:
@@ -217,7 +219,8 @@ class Point:
         """The split API's copy half over the same segments: the same pages between shuffled
         host slots and engine blocks, with no hashing and no index (the copy path's own limit)."""
         nslots = 2 * self.pages
-        mover = hicache._core.SlotMover(self.segs, nslots, "auto", None, False, 1 << 30)
+        forced = {} if self.path_asked == "auto" else {"cuda_path": self.path_asked}
+        mover = hicache._core.SlotMover(self.segs, nslots, "auto", None, False, 1 << 30, **forced)
         order = random.Random(self.chunk + self.nseg).sample(range(nslots), nslots)
         slots, others = torch.tensor(order[: self.pages]), torch.tensor(order[self.pages :])
         src, dst = torch.tensor(self.sources), torch.tensor(self.targets)

@@ -125,6 +125,29 @@ struct PyCache {
   }
 };
 
+// The CUDA copier's options from their Python names, checked on every copier (a bad value is an
+// error on the CPU too).
+hicache::CudaCopierOptions cuda_options_of(int cuda_blocks, std::size_t cuda_staging_bytes,
+                                           const std::string& cuda_path) {
+  hicache::CudaCopierOptions o;
+  o.max_blocks = cuda_blocks;
+  o.staging_bytes = cuda_staging_bytes;
+  if (cuda_path == "auto") {
+    o.path = hicache::CopyPath::kAuto;
+  } else if (cuda_path == "dma") {
+    o.path = hicache::CopyPath::kDma;
+  } else if (cuda_path == "staged") {
+    o.path = hicache::CopyPath::kStaged;
+  } else if (cuda_path == "kernel") {
+    o.path = hicache::CopyPath::kKernel;
+  } else {
+    throw std::invalid_argument("cuda_path must be 'auto', 'dma', 'staged' or 'kernel', not '" +
+                                cuda_path + "'");
+  }
+  o.validate();
+  return o;
+}
+
 PyCache make_cache(std::vector<nb::ndarray<>> segments, std::int64_t block_tokens,
                    std::int64_t capacity_pages, std::int64_t keep_tokens,
                    std::vector<std::int64_t> state_parts, std::int64_t capacity_states,
@@ -173,22 +196,8 @@ PyCache make_cache(std::vector<nb::ndarray<>> segments, std::int64_t block_token
       return static_cast<double>(end - start) / prefill_tokens_per_s;
     };
   }
-  hicache::CudaCopierOptions cuda_options;
-  cuda_options.max_blocks = cuda_blocks;
-  cuda_options.staging_bytes = cuda_staging_bytes;
-  if (cuda_path == "auto") {
-    cuda_options.path = hicache::CopyPath::kAuto;
-  } else if (cuda_path == "dma") {
-    cuda_options.path = hicache::CopyPath::kDma;
-  } else if (cuda_path == "staged") {
-    cuda_options.path = hicache::CopyPath::kStaged;
-  } else if (cuda_path == "kernel") {
-    cuda_options.path = hicache::CopyPath::kKernel;
-  } else {
-    throw std::invalid_argument("cuda_path must be 'auto', 'dma', 'staged' or 'kernel', not '" +
-                                cuda_path + "'");
-  }
-  cuda_options.validate();  // for every copier: a bad value is an error on the CPU too
+  const hicache::CudaCopierOptions cuda_options =
+      cuda_options_of(cuda_blocks, cuda_staging_bytes, cuda_path);
   std::shared_ptr<hicache::Copier> chosen;
   if (copier == "deferred") {
     out.deferred = std::make_shared<hicache::DeferredCopier>();
@@ -590,14 +599,16 @@ NB_MODULE(_core, m) {
           "__init__",
           [](PyMover* self, std::vector<nb::ndarray<>> segments, std::int64_t num_slots,
              const std::string& copier, std::optional<std::string> shared_memory, bool create,
-             std::size_t chunk_bytes) {
+             std::size_t chunk_bytes, const std::string& cuda_path, int cuda_blocks) {
             auto [segs, device] = segments_of(segments);
+            const hicache::CudaCopierOptions cuda_options =
+                cuda_options_of(cuda_blocks, hicache::CudaCopierOptions{}.staging_bytes, cuda_path);
             std::shared_ptr<hicache::Copier> chosen;
             if (copier == "cpu") {
               chosen = std::make_shared<hicache::CpuCopier>();
             } else if (copier == "cuda" ||
                        (copier == "auto" && device.kind == hicache::DeviceKind::kCuda)) {
-              chosen = hicache::make_cuda_copier(device.index);
+              chosen = hicache::make_cuda_copier(device.index, cuda_options);
             } else if (copier != "auto") {
               throw std::invalid_argument("copier must be 'auto', 'cpu' or 'cuda', not '" + copier +
                                           "'");
@@ -610,7 +621,8 @@ NB_MODULE(_core, m) {
                                                         memory, chunk_bytes)};
           },
           "segments"_a, "num_slots"_a, "copier"_a, "shared_memory"_a.none(), "create"_a,
-          "chunk_bytes"_a)
+          "chunk_bytes"_a, "cuda_path"_a = "auto",
+          "cuda_blocks"_a = hicache::CudaCopierOptions{}.max_blocks)
       .def(
           "submit",
           [](PyMover& self, bool to_host, BlockIds slots, BlockIds blocks, std::uintptr_t stream) {

@@ -179,3 +179,13 @@ def test_the_same_decisions_check_has_teeth() -> None:
     # A catalog that evicts differently (plain LRU) is caught.
     r = _one_call_and_split("adaptive", catalog_eviction="lru")
     assert any(r[what][0] != r[what][1] for what in ("served", "stored", "counts", "held"))  # type: ignore[index]
+
+
+def test_the_movers_copy_path_options_are_checked_by_name_on_any_device() -> None:
+    kv = np.zeros((4, 1024), np.uint8)
+    assert _core.SlotMover([kv], 4, "cpu", None, False, 1 << 20).copy_path == "cpu"
+    assert _core.SlotMover([kv], 4, "cpu", None, False, 1 << 20, cuda_path="kernel", cuda_blocks=8)
+    with pytest.raises(ValueError, match="cuda_path must be 'auto', 'dma', 'staged' or 'kernel', not 'pcie'"):
+        _core.SlotMover([kv], 4, "cpu", None, False, 1 << 20, cuda_path="pcie")
+    with pytest.raises(ValueError, match=r"cuda_blocks must be in \[1, 1024\]"):
+        _core.SlotMover([kv], 4, "cpu", None, False, 1 << 20, cuda_blocks=0)
