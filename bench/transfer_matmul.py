@@ -1,10 +1,10 @@
 """hicache's copies beside a large bf16 matmul: the matmul's slowdown and our bandwidth.
 
 For each layout class (Llama-3-8B layer-major, DeepSeek MLA, a TP-sharded or small model, an
-MoE-sized model, one page-major pool), loads (H2D, try_resume) and stores (D2H, store) run on a
-side stream while 8192^3 bf16 matmuls run on the main stream, on the default path and on each
-forced one (``--paths``), and the same for a plain DMA copy (torch copy_ from pinned memory,
-i.e. cudaMemcpyAsync) of the same bytes.
+MoE-sized model, one page-major pool, small page-major pages), loads (H2D, try_resume) and stores
+(D2H, store) run on a side stream while 8192^3 bf16 matmuls run on the main stream, on the default
+path and on each forced one (``--paths``), and the same for a plain DMA copy (torch copy_ from
+pinned memory, i.e. cudaMemcpyAsync) of the same bytes.
 
 The baseline is the same run of matmuls, back to back, with no copy, measured just before and
 just after each copy run (their mean), so clock and power drift over the benchmark cancel out.
@@ -43,6 +43,7 @@ LAYOUTS = {  # name: (segments, bytes per block per segment)
     "TP shard / small model, 48 x 32 KiB": (48, 32 << 10),
     "MoE-sized, 96 x 128 KiB": (96, 128 << 10),
     "page-major, 1 x 16 MiB": (1, 16 << 20),
+    "small page-major pages, 1 x 256 KiB": (1, 256 << 10),
 }
 
 

@@ -1,7 +1,8 @@
 // The CUDA copier: CUDA events as fences, pinned mapped host memory for the pools, and one of
 // three paths a layout (CopyPath), chosen at bind() unless the options force one:
-//  - DMA: every chunk is 1 MiB or more: each a DMA piece, in cudaMemcpyBatchAsync batches.
-//  - staged: pages are large but their chunks are not (layer-major pools): host pages cross
+//  - DMA: every chunk is 1 MiB or more, or pages of 256 KiB or more are one or two chunks of
+//    128 KiB or more: each chunk a DMA piece, in cudaMemcpyBatchAsync batches.
+//  - staged: pages of 512 KiB or more in smaller chunks (layer-major pools): host pages cross
 //    PCIe whole on the DMA engines through a device staging buffer (staging_lane.hpp).
 //  - kernel: small pages: the gather/scatter kernel copies across PCIe through UVA pointers.
 
@@ -27,15 +28,23 @@ namespace hicache {
 namespace cuda {
 namespace {
 
-// The automatic choice (measured on an H200 through the Python API, BENCHMARKS.md). Chunks of
-// 1 MiB and more: the DMA engines, 0.98-0.99 of one contiguous copy. Smaller chunks in pages of
-// 512 KiB and more (layer-major pools): staged, 0.96-0.98 alone and 0.94-0.96 with a store and a
-// load at once. The DMA engines match that alone from 128 KiB chunks and keep their rate beside
-// compute, where the staged scatter waits for SMs (0.56-0.67 of its rate beside a bf16 matmul),
-// but a store and a load issued together reach only 0.75-0.91 (the calling thread submits
-// thousands of pieces for each) and the engine's thread spends ~5 ms a GiB submitting: engines
-// whose copies run beside heavy compute can choose cuda_path="dma". Smaller pages: the kernel.
+// The automatic choice (measured on an H200, BENCHMARKS.md: "Which path a layout takes"). Chunks
+// of 1 MiB and more: the DMA engines, 0.98-0.99 of one contiguous copy. Pages of 256 KiB and more
+// in one or two chunks of 128 KiB and more: the DMA engines too, a piece or two a page (1024 pages
+// through the one-call API, against the path chosen before: stores 0.91-0.97 -> 0.93-0.99, loads
+// 0.85-0.96 -> 0.91-0.98, both at once 0.58-0.84 -> 0.58-0.88; the copy half alone both at once
+// 0.66-0.91 -> 0.84-0.97); they also keep their rate beside compute, where the kernel slowed a
+// bf16 matmul by 14 %. Smaller chunks in pages of 512 KiB and more (layer-major pools): staged,
+// 0.96-0.99 alone and 0.85-0.98 both at once; the DMA engines match it alone from 128 KiB chunks
+// but a store and a load issued together reach only 0.75-0.91 (the calling thread submits a piece
+// a chunk, thousands a call) and the engine's thread spends ~5 ms a GiB submitting: engines whose
+// copies run beside heavy compute can choose cuda_path="dma". Smaller pages: the kernel (through
+// the one-call API, DMA and staging lost there: a 1024-page store of 128 KiB pages 0.82-0.85 on
+// the kernel, 0.63-0.67 on the DMA engines, whose submissions add to the call's CPU work).
 constexpr std::size_t kDmaMinChunk = std::size_t{1} << 20;
+constexpr std::size_t kDmaMinChunkFewSegments = std::size_t{128} << 10;
+constexpr std::size_t kDmaMinPageFewSegments = std::size_t{256} << 10;
+constexpr std::size_t kFewSegments = 2;
 constexpr std::size_t kStagedMinPage = std::size_t{512} << 10;
 // DMA pieces submitted in one cudaMemcpyBatchAsync (see copy_pages_dma).
 constexpr std::size_t kDmaBatch = 128;
@@ -48,6 +57,11 @@ CopyPath choose_path(const PageLayout& layout, const CudaCopierOptions& opt) {
   std::int64_t smallest = layout.segments().front().block_bytes;
   for (const auto& sg : layout.segments()) smallest = std::min(smallest, sg.block_bytes);
   if (static_cast<std::size_t>(smallest) >= kDmaMinChunk) return CopyPath::kDma;
+  if (layout.segments().size() <= kFewSegments &&
+      static_cast<std::size_t>(smallest) >= kDmaMinChunkFewSegments &&
+      static_cast<std::size_t>(layout.page_bytes()) >= kDmaMinPageFewSegments) {
+    return CopyPath::kDma;
+  }
   if (opt.staging_bytes > 0 && layout.page_bytes() >= kStagedMinPage) return CopyPath::kStaged;
   return CopyPath::kKernel;
 }

@@ -52,9 +52,9 @@ class RegisteredPinned final : public HostAllocator {
 
  private:
   // Anonymous memory at a 2 MiB boundary, asking for transparent huge pages: faulting the pool
-  // in and registering it take about half the time (an H200 host, 8 GiB: 12-13 GB/s with 4 KiB
-  // pages, 18-25 with huge pages; copy rates unchanged, BENCHMARKS.md). Where the kernel keeps
-  // THP off, madvise is refused or ignored and the pool has 4 KiB pages, as before.
+  // in and registering it usually take half the time (an H200 host, 8 GiB: 11.6-12.9 GB/s with
+  // 4 KiB pages, 18-25 with huge pages, once 9.8; copy rates unchanged, BENCHMARKS.md). Where the
+  // kernel keeps THP off, madvise is refused or ignored and the pool has 4 KiB pages, as before.
   static char* map_huge_aligned(std::size_t bytes) {
     constexpr std::size_t kHuge = std::size_t{2} << 20;
     void* raw =

@@ -99,7 +99,7 @@ SlotMover::SlotMover(
     memory = make_cuda_registered_allocator(std::move(memory));  // DMA needs pinned memory
   }
   if (wrap_memory) memory = wrap_memory(std::move(memory));
-  // Pinning is slow (12-25 GB/s on an H200 host): at construction, or from construction on in
+  // Pinning is slow (10-25 GB/s on an H200 host): at construction, or from construction on in
   // the background.
   const auto growth = HostPool::growth_for(*memory, pin_in_background);
   pool_ = std::make_unique<HostPool>(layout_.page_bytes() + slot_extra_bytes, num_slots,

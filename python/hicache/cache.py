@@ -60,7 +60,8 @@ class HostPrefixCache:
         cuda_blocks: CTAs of the CUDA copy kernel.
         cuda_staging_bytes: device memory per stream and direction through which pages of
             layer-major pools cross PCIe whole on the DMA engines (pages of 512 KiB or more
-            whose chunks are under 1 MiB); the kernel scatters them at HBM speed. Two windows,
+            that the DMA engines do not take chunk by chunk); the kernel scatters them at HBM
+            speed. Two windows,
             each at least one whole page. 0: no staging.
         cuda_path: how pages cross PCIe: ``"auto"`` (default: chosen from the layout),
             ``"dma"``, ``"staged"`` or ``"kernel"`` (see :attr:`copy_path`). ``"dma"`` suits
@@ -457,8 +458,9 @@ class HostPrefixCache:
 
     @property
     def copy_path(self) -> str:
-        """How pages move: ``"cpu"``; on a GPU ``"dma"`` (chunks >= 1 MiB), ``"staged"`` (pages
-        >= 512 KiB: DMA through a device staging buffer + an HBM scatter kernel) or ``"kernel"``
+        """How pages move: ``"cpu"``; on a GPU ``"dma"`` (chunks >= 1 MiB, or pages >= 256 KiB of
+        one or two chunks >= 128 KiB), ``"staged"`` (other pages >= 512 KiB: DMA through a device
+        staging buffer + an HBM scatter kernel) or ``"kernel"``
         (a copy kernel across PCIe); ``"deferred"`` or ``"null"`` for those copiers."""
         return self._core.copy_path
 

@@ -198,11 +198,17 @@ TEST(CudaCopier, ThePathFollowsTheLayout) {
     const hicache::PageLayout layout(pool.segments(), kGpu);
     return std::string(bound_copier(layout, opt)->path());
   };
-  DevicePool large_chunks(4, {1 << 20, 1 << 20});                     // chunks >= 1 MiB
-  DevicePool layer_major(4, std::vector<std::int64_t>(8, 64 << 10));  // 512 KiB pages
-  DevicePool small_pages(4, std::vector<std::int64_t>(8, 32 << 10));  // 256 KiB pages
+  DevicePool large_chunks(4, {1 << 20, 1 << 20});                       // chunks >= 1 MiB
+  DevicePool few_chunks(4, {256 << 10, 256 << 10});                     // two >= 128 KiB
+  DevicePool three_chunks(4, std::vector<std::int64_t>(3, 256 << 10));  // three: a page of 768 KiB
+  DevicePool layer_major(4, std::vector<std::int64_t>(8, 64 << 10));    // 512 KiB pages
+  DevicePool one_mid(4, {128 << 10});               // one 128 KiB chunk: too small a page for DMA
+  DevicePool small_pages(4, {32 << 10, 32 << 10});  // 64 KiB pages
   EXPECT_EQ(path_for(large_chunks), "dma");
+  EXPECT_EQ(path_for(few_chunks), "dma");
+  EXPECT_EQ(path_for(three_chunks), "staged");
   EXPECT_EQ(path_for(layer_major), "staged");
+  EXPECT_EQ(path_for(one_mid), "kernel");
   EXPECT_EQ(path_for(small_pages), "kernel");
   EXPECT_EQ(path_for(layer_major, kKernelOnly), "kernel");
   EXPECT_EQ(path_for(small_pages, staged(16 << 20)), "staged");

@@ -48,7 +48,14 @@ def test_random_bytes_round_trip_on_the_gpu(make, staging: int, path: str) -> No
     )
     chunk = min(s[0].numel() * s.element_size() for s in segments)
     page = sum(s[0].numel() * s.element_size() for s in segments)
-    auto = "dma" if chunk >= 1 << 20 else "staged" if staging > 0 and page >= 512 << 10 else "kernel"
+    few_large = len(segments) <= 2 and chunk >= 128 << 10 and page >= 256 << 10
+    auto = (
+        "dma"
+        if chunk >= 1 << 20 or few_large
+        else "staged"
+        if staging > 0 and page >= 512 << 10
+        else "kernel"
+    )
     assert cache.copy_path == (path if path != "auto" else auto)
     prompt = torch.arange(10 * B + 5)
     before = pages(segments, list(range(10)))
