@@ -130,7 +130,6 @@ std::size_t ghost_generation(std::int64_t capacity) {
 
 class AlwaysAdmit final : public AdmissionPolicy {
  public:
-  void observe(std::span<const Key>) override {}
   void observe_more(std::span<const Key>) override {}
   bool admit(std::size_t, bool) override { return true; }
   bool wants_second_sighting() const override { return false; }
@@ -173,10 +172,6 @@ class Sightings {
 class SecondSighting final : public AdmissionPolicy {
  public:
   explicit SecondSighting(std::int64_t capacity) : sightings_(capacity) {}
-  void observe(std::span<const Key> keys) override {
-    sightings_.begin();
-    sightings_.observe(keys);
-  }
   void observe_more(std::span<const Key> keys) override { sightings_.observe(keys); }
   bool admit(std::size_t i, bool pool_full) override {
     return !pool_full || sightings_.seen_before(i);
@@ -184,6 +179,7 @@ class SecondSighting final : public AdmissionPolicy {
   bool wants_second_sighting() const override { return true; }
 
  private:
+  void begin() override { sightings_.begin(); }
   Sightings sightings_;
 };
 
@@ -237,17 +233,6 @@ class Adaptive final : public AdmissionPolicy {
         second_(static_cast<std::size_t>(capacity) / sample_,
                 ghost_generation(capacity / static_cast<std::int64_t>(sample_))) {}
 
-  void observe(std::span<const Key> keys) override {
-    // Hits of the last ~1000 stores count most (half-life 693 stores): the choice follows the
-    // workload as it changes. It is made as the store begins, from the stores before it (their
-    // keys went through the simulations), so the store's first installment can be admitted
-    // before the rest of its prompt is hashed.
-    write_through_.decay(kDecay);
-    second_.decay(kDecay);
-    second_sighting_ = second_.hits() > write_through_.hits();
-    sightings_.begin();
-    observe_more(keys);
-  }
   void observe_more(std::span<const Key> keys) override {
     for (const Key& k : keys) {
       const std::uint64_t fp = key_fingerprint(k);
@@ -269,6 +254,16 @@ class Adaptive final : public AdmissionPolicy {
   bool wants_second_sighting() const override { return second_sighting_; }
 
  private:
+  void begin() override {
+    // Hits of the last ~1000 stores count most (half-life 693 stores): the choice follows the
+    // workload as it changes. It is made as the store begins, from the stores before it (their
+    // keys went through the simulations), so the store's first installment can be admitted
+    // before the rest of its prompt is hashed.
+    write_through_.decay(kDecay);
+    second_.decay(kDecay);
+    second_sighting_ = second_.hits() > write_through_.hits();
+    sightings_.begin();
+  }
   static constexpr double kDecay = 0.999;
   Sightings sightings_;
   std::uint64_t sample_;

@@ -43,7 +43,10 @@ class AdmissionPolicy {
   /// A store begins: the chain keys of its prompt's first full pages, in order (all of them, or
   /// a first installment that observe_more() continues); called once per store before any
   /// admit() for them.
-  virtual void observe(std::span<const Key> keys) = 0;
+  void observe(std::span<const Key> keys) {
+    begin();
+    observe_more(keys);
+  }
   /// The store's next keys, in order after those it observed so far; before any admit() for
   /// them. (HostPrefixCache::store hashes, admits and copies a long prompt in installments.)
   virtual void observe_more(std::span<const Key> keys) = 0;
@@ -53,6 +56,10 @@ class AdmissionPolicy {
   /// Whether first sightings are declined now (always false for kAlways; for kAdaptive, the
   /// simulations' current choice).
   virtual bool wants_second_sighting() const = 0;
+
+ protected:
+  /// A store begins (observe() then passes its first keys to observe_more()).
+  virtual void begin() {}
 };
 
 /// @param capacity_pages the pool's slots: sizes the ghost and the simulations.
