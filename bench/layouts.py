@@ -219,8 +219,9 @@ class Point:
         """The split API's copy half over the same segments: the same pages between shuffled
         host slots and engine blocks, with no hashing and no index (the copy path's own limit)."""
         nslots = 2 * self.pages
-        forced = {} if self.path_asked == "auto" else {"cuda_path": self.path_asked}
-        mover = hicache._core.SlotMover(self.segs, nslots, "auto", None, False, 1 << 30, **forced)
+        mover = hicache._core.SlotMover(
+            self.segs, nslots, "auto", None, False, 1 << 30, cuda_path=self.path_asked
+        )
         order = random.Random(self.chunk + self.nseg).sample(range(nslots), nslots)
         slots, others = torch.tensor(order[: self.pages]), torch.tensor(order[self.pages :])
         src, dst = torch.tensor(self.sources), torch.tensor(self.targets)

@@ -64,9 +64,10 @@ class RegisteredPinned final : public HostAllocator {
     }
     const auto base = reinterpret_cast<std::uintptr_t>(raw);
     const std::uintptr_t aligned = (base + kHuge - 1) & ~(kHuge - 1);
-    if (aligned > base) munmap(raw, aligned - base);  // give back the head and the tail
-    const std::uintptr_t tail = base + bytes + kHuge - (aligned + bytes);
-    if (tail > 0) munmap(reinterpret_cast<void*>(aligned + bytes), tail);
+    // Give back what lies before the boundary and after the pool (together, the extra 2 MiB).
+    if (aligned > base) munmap(raw, aligned - base);
+    const std::uintptr_t tail = base + kHuge - aligned;
+    munmap(reinterpret_cast<void*>(aligned + bytes), tail);  // never empty: aligned < base + kHuge
     char* p = reinterpret_cast<char*>(aligned);
     madvise(p, bytes, MADV_HUGEPAGE);  // best effort: 4 KiB pages where refused
     return p;

@@ -61,8 +61,7 @@ class HostPrefixCache:
         cuda_staging_bytes: device memory per stream and direction through which pages of
             layer-major pools cross PCIe whole on the DMA engines (pages of 512 KiB or more
             that the DMA engines do not take chunk by chunk); the kernel scatters them at HBM
-            speed. Two windows,
-            each at least one whole page. 0: no staging.
+            speed. Two windows, each at least one whole page. 0: no staging.
         cuda_path: how pages cross PCIe: ``"auto"`` (default: chosen from the layout),
             ``"dma"``, ``"staged"`` or ``"kernel"`` (see :attr:`copy_path`). ``"dma"`` suits
             layer-major pools whose copies run beside heavy compute: on an H200 it keeps the
@@ -460,8 +459,8 @@ class HostPrefixCache:
     def copy_path(self) -> str:
         """How pages move: ``"cpu"``; on a GPU ``"dma"`` (chunks >= 1 MiB, or pages >= 256 KiB of
         one or two chunks >= 128 KiB), ``"staged"`` (other pages >= 512 KiB: DMA through a device
-        staging buffer + an HBM scatter kernel) or ``"kernel"``
-        (a copy kernel across PCIe); ``"deferred"`` or ``"null"`` for those copiers."""
+        staging buffer + an HBM scatter kernel) or ``"kernel"`` (a copy kernel across PCIe);
+        ``"deferred"`` or ``"null"`` for those copiers."""
         return self._core.copy_path
 
     @property

@@ -184,7 +184,8 @@ def test_the_same_decisions_check_has_teeth() -> None:
 def test_the_movers_copy_path_options_are_checked_by_name_on_any_device() -> None:
     kv = np.zeros((4, 1024), np.uint8)
     assert _core.SlotMover([kv], 4, "cpu", None, False, 1 << 20).copy_path == "cpu"
-    assert _core.SlotMover([kv], 4, "cpu", None, False, 1 << 20, cuda_path="kernel", cuda_blocks=8)
+    forced = _core.SlotMover([kv], 4, "cpu", None, False, 1 << 20, cuda_path="kernel", cuda_blocks=8)
+    assert forced.copy_path == "cpu"  # valid CUDA options are accepted, and the CPU copier copies
     with pytest.raises(ValueError, match="cuda_path must be 'auto', 'dma', 'staged' or 'kernel', not 'pcie'"):
         _core.SlotMover([kv], 4, "cpu", None, False, 1 << 20, cuda_path="pcie")
     with pytest.raises(ValueError, match=r"cuda_blocks must be in \[1, 1024\]"):
