@@ -1,5 +1,6 @@
 #include "blake2b.hpp"
 
+#include <bit>
 #include <cstring>
 #include <stdexcept>
 
@@ -42,7 +43,125 @@ inline void mix(std::uint64_t* v, int a, int b, int c, int d, std::uint64_t x, s
   v[b] = rotr(v[b] ^ v[c], 63);
 }
 
+// Four messages' compressions side by side: lane l of every vector belongs to message l. GCC's
+// and clang's vector extensions map a vector of four 64-bit words onto one AVX2 register, or
+// onto two SSE2 or NEON registers elsewhere (still four independent chains for the core to
+// overlap).
+using Lanes = std::uint64_t __attribute__((vector_size(32)));
+
+#define HICACHE_ROTR4(x, n) (((x) >> (n)) | ((x) << (64 - (n))))
+
+[[gnu::always_inline]] inline void mix4(Lanes* v, int a, int b, int c, int d, const Lanes& x,
+                                        const Lanes& y) {
+  v[a] = v[a] + v[b] + x;
+  v[d] = HICACHE_ROTR4(v[d] ^ v[a], 32);
+  v[c] = v[c] + v[d];
+  v[b] = HICACHE_ROTR4(v[b] ^ v[c], 24);
+  v[a] = v[a] + v[b] + y;
+  v[d] = HICACHE_ROTR4(v[d] ^ v[a], 16);
+  v[c] = v[c] + v[d];
+  v[b] = HICACHE_ROTR4(v[b] ^ v[c], 63);
+}
+
+#undef HICACHE_ROTR4
+
+// One block of each message (little-endian hosts only: the words are loaded as they lie), with
+// the byte count t after it (the same for all four) and not the last block.
+[[gnu::always_inline]] inline void compress4_body(std::uint64_t (&h)[8][4],
+                                                  const std::uint8_t* const block[4],
+                                                  std::uint64_t t0, std::uint64_t t1) {
+  Lanes m[16];
+  for (int i = 0; i < 16; ++i) {
+    for (int l = 0; l < 4; ++l) {
+      std::uint64_t word;
+      std::memcpy(&word, block[l] + 8 * i, sizeof word);
+      m[i][l] = word;
+    }
+  }
+  Lanes v[16];
+  for (int i = 0; i < 8; ++i) {
+    std::memcpy(&v[i], h[i], sizeof v[i]);
+    v[i + 8] = Lanes{kIv[i], kIv[i], kIv[i], kIv[i]};
+  }
+  v[12] ^= Lanes{t0, t0, t0, t0};
+  v[13] ^= Lanes{t1, t1, t1, t1};
+#pragma GCC unroll 12
+  for (const auto& s : kSigma) {
+    mix4(v, 0, 4, 8, 12, m[s[0]], m[s[1]]);
+    mix4(v, 1, 5, 9, 13, m[s[2]], m[s[3]]);
+    mix4(v, 2, 6, 10, 14, m[s[4]], m[s[5]]);
+    mix4(v, 3, 7, 11, 15, m[s[6]], m[s[7]]);
+    mix4(v, 0, 5, 10, 15, m[s[8]], m[s[9]]);
+    mix4(v, 1, 6, 11, 12, m[s[10]], m[s[11]]);
+    mix4(v, 2, 7, 8, 13, m[s[12]], m[s[13]]);
+    mix4(v, 3, 4, 9, 14, m[s[14]], m[s[15]]);
+  }
+  for (int i = 0; i < 8; ++i) {
+    Lanes hi;
+    std::memcpy(&hi, h[i], sizeof hi);
+    hi ^= v[i] ^ v[i + 8];
+    std::memcpy(h[i], &hi, sizeof hi);
+  }
+}
+
+// The same code built twice, for AVX2 and for the baseline, chosen at run time (not by an ifunc
+// resolver: ThreadSanitizer builds crash in one, as it runs before the sanitizer is set up).
+#if defined(__x86_64__)
+[[gnu::target("avx2")]] void compress4_avx2(std::uint64_t (&h)[8][4],
+                                            const std::uint8_t* const block[4], std::uint64_t t0,
+                                            std::uint64_t t1) {
+  compress4_body(h, block, t0, t1);
+}
+#endif
+
+void compress4_baseline(std::uint64_t (&h)[8][4], const std::uint8_t* const block[4],
+                        std::uint64_t t0, std::uint64_t t1) {
+  compress4_body(h, block, t0, t1);
+}
+
+void compress4(std::uint64_t (&h)[8][4], const std::uint8_t* const block[4], std::uint64_t t0,
+               std::uint64_t t1) {
+#if defined(__x86_64__)
+  static const bool avx2 = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") != 0;
+  }();
+  if (avx2) return compress4_avx2(h, block, t0, t1);
+#endif
+  compress4_baseline(h, block, t0, t1);
+}
+
 }  // namespace
+
+void Blake2b::update4(Blake2b* const state[4], const std::uint8_t* const data[4], std::size_t n) {
+  const std::size_t whole = n / sizeof buf_;
+  bool lanes = std::endian::native == std::endian::little && whole > 0;
+  for (int l = 0; l < 4; ++l) {
+    const Blake2b& s = *state[l];
+    lanes = lanes && s.buf_len_ == 0 && s.t_[0] == state[0]->t_[0] && s.t_[1] == state[0]->t_[1];
+  }
+  if (!lanes) {  // a state mid-block, or a big-endian host: one message at a time
+    for (int l = 0; l < 4; ++l) {
+      state[l]->update(data[l], n);
+      state[l]->more_follows();
+    }
+    return;
+  }
+  std::uint64_t h[8][4];
+  for (int i = 0; i < 8; ++i) {
+    for (int l = 0; l < 4; ++l) h[i][l] = state[l]->h_[i];
+  }
+  for (std::size_t b = 0; b < whole; ++b) {
+    for (int l = 0; l < 4; ++l) state[l]->count(sizeof buf_);
+    const std::uint8_t* block[4];
+    for (int l = 0; l < 4; ++l) block[l] = data[l] + b * sizeof buf_;
+    compress4(h, block, state[0]->t_[0], state[0]->t_[1]);
+  }
+  for (int l = 0; l < 4; ++l) {
+    for (int i = 0; i < 8; ++i) state[l]->h_[i] = h[i][l];
+    state[l]->update(data[l] + whole * sizeof buf_, n % sizeof buf_);
+  }
+}
 
 Blake2b::Blake2b(std::size_t digest_bytes) : digest_bytes_(digest_bytes) {
   if (digest_bytes < 1 || digest_bytes > 64) throw std::invalid_argument("blake2b: digest 1..64");
@@ -62,6 +181,8 @@ void Blake2b::compress(const std::uint8_t* block, bool last) {
   v[12] ^= t_[0];
   v[13] ^= t_[1];
   if (last) v[14] = ~v[14];
+  // Unrolled, every message word's index is a constant: ~25 % faster a block than the loop.
+#pragma GCC unroll 12
   for (const auto& s : kSigma) {
     mix(v, 0, 4, 8, 12, m[s[0]], m[s[1]]);
     mix(v, 1, 5, 9, 13, m[s[2]], m[s[3]]);

@@ -6,8 +6,9 @@
 //
 // A page's key hashes its tokens first and the previous key last, so every page's token blocks
 // can be hashed before the chain reaches it. The token blocks of each installment's pages (at
-// most kMaxMidstates at a time) are hashed on the page threads if they are enough bytes to be
-// worth threads; the installment then only finishes its keys, one block each, in chain order.
+// most kMaxMidstates at a time) are hashed four pages side by side (Blake2b::update4), on the
+// page threads if they are enough bytes to be worth threads; the installment then only finishes
+// its keys, one block each, in chain order.
 // (Lookups and stores find a prompt's cached pages by content, without their keys: they hash
 // only the pages past them.)
 

@@ -99,19 +99,42 @@ std::span<const std::int32_t> ChainHasher::page(std::size_t i) const {
   return tokens_.subspan(i * block_tokens_, block_tokens_);
 }
 
-// The token blocks of pages [first, end) (at most kMaxMidstates of them), on the page threads:
-// each page's state after every block but a last one that a key or salt follows.
+// The token blocks of pages [first, end) (at most kMaxMidstates of them), on the page threads if
+// they are many bytes: each page's state after every block but a last one that a key or salt
+// follows. Four pages at a time (Blake2b::update4); the first page of an unsalted chain alone,
+// as its last token block ends its message (nothing follows it).
 void ChainHasher::hash_blocks_ahead(std::size_t first, std::size_t end) {
   mids_first_ = first;
   mids_.assign(std::min(end - first, kMaxMidstates), Blake2b(16));
-  for_each_page(
-      mids_.size(), block_tokens_ * sizeof(std::int32_t),
-      [&](std::size_t j) {
-        const std::size_t i = first + j;
-        absorb(mids_[j], page(i));
-        if (i > 0 || !salt_.empty()) mids_[j].more_follows();
-      },
-      kHashBytesPerThread);
+  const std::size_t bytes = block_tokens_ * sizeof(std::int32_t);
+  const auto one = [&](std::size_t j) {
+    const std::size_t i = first + j;
+    absorb(mids_[j], page(i));
+    if (i > 0 || !salt_.empty()) mids_[j].more_follows();
+  };
+  const std::size_t lead = first == 0 && salt_.empty() ? std::min<std::size_t>(1, mids_.size()) : 0;
+  for (std::size_t j = 0; j < lead; ++j) one(j);
+  for_each_page((mids_.size() - lead + 3) / 4, 4 * bytes,
+                [&](std::size_t q) {
+                  const std::size_t j = lead + 4 * q;
+                  const std::size_t here = std::min<std::size_t>(4, mids_.size() - j);
+                  // A last group of one page is quicker alone; of two or three, in lanes beside
+                  // spare states that hash a copy of its first page again.
+                  if (std::endian::native != std::endian::little || here == 1) {
+                    for (std::size_t k = j; k < j + here; ++k) one(k);
+                    return;
+                  }
+                  Blake2b spare[3] = {Blake2b(16), Blake2b(16), Blake2b(16)};
+                  Blake2b* states[4];
+                  const std::uint8_t* data[4];
+                  for (std::size_t l = 0; l < 4; ++l) {
+                    states[l] = l < here ? &mids_[j + l] : &spare[l - 1];
+                    data[l] = reinterpret_cast<const std::uint8_t*>(
+                        page(first + j + (l < here ? l : 0)).data());
+                  }
+                  Blake2b::update4(states, data, bytes);
+                },
+                kHashBytesPerThread);
 }
 
 namespace {
@@ -130,9 +153,9 @@ void ChainHasher::extend(std::vector<Key>& keys, std::int64_t upto) {
     const std::size_t i = keys.size();
     const bool ahead = i >= mids_first_ && i < mids_first_ + mids_.size();
     // Each installment's pages are hashed ahead as it asks for them (hashing every later page
-    // ahead at once kept a store's first copies waiting behind it: BENCHMARKS.md).
-    const bool worth_it = (n - i) * block_tokens_ * sizeof(std::int32_t) >= 2 * kHashBytesPerThread;
-    if (!ahead && worth_it) {
+    // ahead at once kept a store's first copies waiting behind it: BENCHMARKS.md), four at a
+    // time where there are four.
+    if (!ahead && n - i >= 4) {
       hash_blocks_ahead(i, n);
       continue;
     }

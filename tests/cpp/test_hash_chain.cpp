@@ -94,6 +94,82 @@ TEST(Blake2b, AStateMadeOfWholeBlocksFinishesAsOneUpdateWould) {
   EXPECT_EQ(hex(got, 16), hex(expect, 16));
 }
 
+// update4 compresses four messages side by side; every lane must end as that message hashed
+// alone would, whatever the length (whole blocks, a tail, nothing) and the suffix after it.
+TEST(Blake2b, FourMessagesAtOnceEndAsEachHashedAlone) {
+  using hicache::detail::Blake2b;
+  std::vector<std::uint8_t> data(4 * 1100);
+  for (std::size_t i = 0; i < data.size(); ++i) data[i] = static_cast<std::uint8_t>(i * 131 + 7);
+  for (std::size_t n : {0u, 1u, 127u, 128u, 129u, 256u, 300u, 512u, 1100u}) {
+    std::vector<Blake2b> four(4, Blake2b(16)), alone(4, Blake2b(16));
+    Blake2b* const states[4] = {&four[0], &four[1], &four[2], &four[3]};
+    const std::uint8_t* msgs[4];
+    for (int l = 0; l < 4; ++l) msgs[l] = data.data() + 1100 * static_cast<std::size_t>(l);
+    Blake2b::update4(states, msgs, n);
+    for (int l = 0; l < 4; ++l) {
+      alone[static_cast<std::size_t>(l)].update(msgs[l], n);
+      alone[static_cast<std::size_t>(l)].more_follows();
+    }
+    for (std::size_t l = 0; l < 4; ++l) {
+      const std::uint8_t suffix[16] = {static_cast<std::uint8_t>(l), 1, 2, 3};
+      std::uint8_t got[16], expect[16];
+      four[l].update(suffix, sizeof suffix);
+      four[l].finish(got);
+      alone[l].update(suffix, sizeof suffix);
+      alone[l].finish(expect);
+      EXPECT_EQ(hex(got, 16), hex(expect, 16)) << "lane " << l << ", " << n << " bytes";
+    }
+  }
+}
+
+// A lane that already holds part of a block cannot share the vector: update4 hashes the four one
+// at a time and still ends as each alone would.
+TEST(Blake2b, FourMessagesOneOfThemMidBlockEndAsEachHashedAlone) {
+  using hicache::detail::Blake2b;
+  std::vector<std::uint8_t> data(1024);
+  for (std::size_t i = 0; i < data.size(); ++i) data[i] = static_cast<std::uint8_t>(i * 13);
+  std::vector<Blake2b> four(4, Blake2b(16)), alone(4, Blake2b(16));
+  four[2].update(data.data(), 5);
+  alone[2].update(data.data(), 5);
+  Blake2b* const states[4] = {&four[0], &four[1], &four[2], &four[3]};
+  const std::uint8_t* msgs[4] = {data.data(), data.data() + 100, data.data() + 200,
+                                 data.data() + 300};
+  Blake2b::update4(states, msgs, 512);
+  for (std::size_t l = 0; l < 4; ++l) {
+    alone[l].update(msgs[l], 512);
+    alone[l].more_follows();
+    std::uint8_t got[16], expect[16];
+    four[l].finish(got);
+    alone[l].finish(expect);
+    EXPECT_EQ(hex(got, 16), hex(expect, 16)) << "lane " << l;
+  }
+}
+
+// Chains of every length around the four-page groups (one page at a time on the calling thread
+// before: now four at a time), with and without a salt, token blocks of whole BLAKE2b blocks and
+// of ragged lengths: the keys chain_step gives page by page.
+TEST(HashChain, PagesHashedFourAtATimeGiveThePageByPageChain) {
+  for (std::int64_t block : {1, 3, 32, 100, 128, 257}) {
+    for (const std::string salt : {"", "tenant-7"}) {
+      for (int pages = 0; pages <= 11; ++pages) {
+        std::vector<std::int32_t> t(
+            static_cast<std::size_t>((pages + 1) * block - 1));  // a partial page after
+        for (std::size_t i = 0; i < t.size(); ++i)
+          t[i] = static_cast<std::int32_t>(i * 2654435761u);
+        std::vector<hicache::Key> expect;
+        for (int i = 0; i < pages; ++i) {
+          const auto page = std::span<const std::int32_t>(t).subspan(
+              static_cast<std::size_t>(i * block), static_cast<std::size_t>(block));
+          expect.push_back(i == 0 ? hicache::chain_first(salt, page)
+                                  : hicache::chain_next(expect.back(), page));
+        }
+        EXPECT_EQ(hicache::chain_keys(salt, t, block, 1 << 20, 128), expect)
+            << "block " << block << ", salt '" << salt << "', " << pages << " pages";
+      }
+    }
+  }
+}
+
 TEST(HashChain, FirstKeyAndNextKeyMatchHashlib) {
   const auto t0 = iota_tokens(128);
   const hicache::Key k0 = hicache::chain_first("", t0);
