@@ -90,13 +90,16 @@ def call_back(fn: Any, name: str, *args: int) -> Any:
 
 def _to_numpy_1d(x: Any, what: str) -> np.ndarray:
     if is_torch_tensor(x):
-        if x.device.type == "meta":
+        # The cheapest torch attributes (this runs on every call: a 16-page store's whole Python
+        # side is ~15 us): is_meta, not device.type; numpy(force=True), not detach().cpu().numpy().
+        if x.is_meta:
             raise ValueError(f"{what} is a meta tensor: it has no data")
         if x.dim() != 1:
             raise ValueError(f"{what} must be 1-D, got shape {tuple(x.shape)}")
-        if x.is_floating_point() or x.is_complex() or str(x.dtype) == "torch.bool":
-            raise TypeError(f"{what} must hold integers, got {x.dtype}")
-        return x.detach().cpu().numpy()
+        dtype = x.dtype
+        if dtype.is_floating_point or dtype.is_complex or str(dtype) == "torch.bool":
+            raise TypeError(f"{what} must hold integers, got {dtype}")
+        return x.numpy(force=True)
     if isinstance(x, (str, bytes, bytearray, memoryview)) or x is None:
         raise TypeError(f"{what} must be a sequence of ints, not {type(x).__name__}")
     try:
@@ -114,7 +117,7 @@ def _to_numpy_1d(x: Any, what: str) -> np.ndarray:
         if not all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in arr.tolist()):
             raise TypeError(f"{what} must hold integers, got {show(x)}")
         raise ValueError(f"{what} holds integers outside the int64 range")
-    if not np.issubdtype(arr.dtype, np.integer):
+    if arr.dtype.kind not in "iu":  # signed or unsigned integers (np.issubdtype: 10x slower)
         raise TypeError(f"{what} must hold integers, got dtype {arr.dtype}")
     if arr.dtype == np.uint64 and arr.max() > _INT64.max:
         raise ValueError(f"{what} holds integers outside the int64 range")
