@@ -333,6 +333,42 @@ def run_cpu_cost(args: argparse.Namespace) -> None:
             torch.cuda.empty_cache()
 
 
+def report(path: str) -> None:
+    """The table BENCHMARKS.md shows, from a --json file of a --mover run (no GPU needed): ratios
+    below the targets in bold (0.95 a direction, 0.90 both at once), then the counts."""
+
+    def mark(v: float, target: float) -> str:
+        return f"**{v:.3f}**" if v < target else f"{v:.3f}"
+
+    rows = json.load(open(path))
+    print(
+        "| chunk | segments | page | pages a call | path | store | load | both at once | store, load time "
+        "vs 1.05 x contiguous + 100 us | SlotMover store / load / both at once |"
+    )
+    print("| --- " * 10 + "|")
+    for r in rows:
+        chunk = f"{r['chunk'] >> 20} MiB" if r["chunk"] >= 1 << 20 else f"{r['chunk'] // KIB} KiB"
+        mover = " / ".join(
+            mark(r[f"mover_{k}"], 0.90 if k == "both" else 0.95) for k in ("store", "load", "both")
+        )
+        print(
+            f"| {chunk} | {r['segments']} | {r['page'] / 2**20:.2f} MiB | {r['pages']} | {r['path']} | "
+            f"{mark(r['store'], 0.95)} | {mark(r['load'], 0.95)} | {mark(r['both'], 0.90)} | "
+            f"{r['store_target']:.2f}, {r['load_target']:.2f} | {mover} |"
+        )
+    big = [r for r in rows if r["page"] >= 4 << 20]
+    print(
+        f"\n{len(rows)} points: store >= 0.95 on {sum(r['store'] >= 0.95 for r in rows)}, load >= 0.95 on "
+        f"{sum(r['load'] >= 0.95 for r in rows)}, both at once >= 0.90 on "
+        f"{sum(r['both'] >= 0.90 for r in rows)}, the wall-time target in both directions on "
+        f"{sum(r['store_target'] >= 1 and r['load_target'] >= 1 for r in rows)}. SlotMover: "
+        f"{sum(r['mover_store'] >= 0.95 for r in rows)} / {sum(r['mover_load'] >= 0.95 for r in rows)} / "
+        f"{sum(r['mover_both'] >= 0.90 for r in rows)}. Pages of 4 MiB and more ({len(big)} points): store "
+        f"on {sum(r['store'] >= 0.95 for r in big)}, load on {sum(r['load'] >= 0.95 for r in big)}, the "
+        f"lowest {min(r['store'] for r in big):.3f} / {min(r['load'] for r in big):.3f}."
+    )
+
+
 def ints(s: str) -> list[int]:
     return [int(x) for x in s.split(",") if x]
 
@@ -351,7 +387,10 @@ def main() -> None:
     ap.add_argument("--cpu-cost", action="store_true")
     ap.add_argument("--mover", action="store_true", help="also time SlotMover's copy of the same pages")
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    ap.add_argument("--report", default="", help="print BENCHMARKS.md's table from a --json file, and stop")
     args = ap.parse_args()
+    if args.report:
+        return report(args.report)
     global DEVICE
     DEVICE = args.device
     if DEVICE == "cuda" and (not torch.cuda.is_available() or not hicache.cuda_available()):
