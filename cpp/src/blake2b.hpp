@@ -20,8 +20,8 @@ class Blake2b {
   void finish(std::uint8_t* out);
   /// Four independent messages at once, each `state[l]->update(data[l], n)` then
   /// `more_follows()`: their whole blocks are compressed side by side, one message a 64-bit
-  /// lane of a vector (AVX2 where the CPU has it: ~2-3x the blocks a second of one message at a
-  /// time on the CPUs measured), and the rest of each is buffered. Every state must hold
+  /// lane of a vector (AVX2 where the CPU has it: over twice the blocks a second of one message at
+  /// a time on this project's CPU machine), and the rest of each is buffered. Every state must hold
   /// whole blocks only, the same number of them (fresh states do).
   static void update4(Blake2b* const state[4], const std::uint8_t* const data[4], std::size_t n);
 

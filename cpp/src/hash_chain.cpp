@@ -112,29 +112,32 @@ void ChainHasher::hash_blocks_ahead(std::size_t first, std::size_t end) {
     absorb(mids_[j], page(i));
     if (i > 0 || !salt_.empty()) mids_[j].more_follows();
   };
+  // Pages j .. j + n - 1 (n <= 4) side by side. A group of two or three fills the other lanes
+  // with spare states that hash a copy of its first page again; one page goes alone (quicker).
+  const auto group = [&](std::size_t j, std::size_t n) {
+    if (std::endian::native != std::endian::little || n == 1) {
+      for (std::size_t k = j; k < j + n; ++k) one(k);
+      return;
+    }
+    Blake2b spare[3] = {Blake2b(16), Blake2b(16), Blake2b(16)};
+    Blake2b* states[4];
+    const std::uint8_t* data[4];
+    for (std::size_t l = 0; l < 4; ++l) {
+      states[l] = l < n ? &mids_[j + l] : &spare[l - 1];
+      data[l] = reinterpret_cast<const std::uint8_t*>(page(first + j + (l < n ? l : 0)).data());
+    }
+    Blake2b::update4(states, data, bytes);
+  };
   const std::size_t lead = first == 0 && salt_.empty() ? std::min<std::size_t>(1, mids_.size()) : 0;
   for (std::size_t j = 0; j < lead; ++j) one(j);
-  for_each_page((mids_.size() - lead + 3) / 4, 4 * bytes,
-                [&](std::size_t q) {
-                  const std::size_t j = lead + 4 * q;
-                  const std::size_t here = std::min<std::size_t>(4, mids_.size() - j);
-                  // A last group of one page is quicker alone; of two or three, in lanes beside
-                  // spare states that hash a copy of its first page again.
-                  if (std::endian::native != std::endian::little || here == 1) {
-                    for (std::size_t k = j; k < j + here; ++k) one(k);
-                    return;
-                  }
-                  Blake2b spare[3] = {Blake2b(16), Blake2b(16), Blake2b(16)};
-                  Blake2b* states[4];
-                  const std::uint8_t* data[4];
-                  for (std::size_t l = 0; l < 4; ++l) {
-                    states[l] = l < here ? &mids_[j + l] : &spare[l - 1];
-                    data[l] = reinterpret_cast<const std::uint8_t*>(
-                        page(first + j + (l < here ? l : 0)).data());
-                  }
-                  Blake2b::update4(states, data, bytes);
-                },
-                kHashBytesPerThread);
+  const std::size_t groups = (mids_.size() - lead + 3) / 4;
+  for_each_page(
+      groups, 4 * bytes,
+      [&](std::size_t g) {
+        const std::size_t j = lead + 4 * g;
+        group(j, std::min<std::size_t>(4, mids_.size() - j));
+      },
+      kHashBytesPerThread);
 }
 
 namespace {
