@@ -87,21 +87,28 @@ TURNS: list[int] = []  # each request's turn: how many earlier prompts it extend
 MAX_TURN = 7
 
 
-def conversation_turns(hash_ids: list[list[int]]) -> list[int]:
-    """Per request, the turn of its conversation: 0, or one more than the turn of the latest
-    earlier request whose prompt it extends (all of that prompt's blocks but the last, at least
-    two of them, so that a shared system prompt alone does not make a conversation)."""
+def conversation_parents(hash_ids: list[list[int]]) -> list[int | None]:
+    """Per request, the latest earlier request whose prompt it extends (all of that prompt's
+    blocks but the last, at least two of them, so that a shared system prompt alone does not make
+    a conversation), or None."""
     ends: dict[tuple[int, ...], int] = {}
-    turns: list[int] = []
+    parents: list[int | None] = []
     for i, ids in enumerate(hash_ids):
-        turn = 0
+        found = None
         for n in range(len(ids) - 1, 1, -1):
-            j = ends.get(tuple(ids[:n]))
-            if j is not None:
-                turn = turns[j] + 1
+            found = ends.get(tuple(ids[:n]))
+            if found is not None:
                 break
-        turns.append(turn)
+        parents.append(found)
         ends[tuple(ids[:-1])] = i
+    return parents
+
+
+def conversation_turns(hash_ids: list[list[int]]) -> list[int]:
+    """Per request, the turn of its conversation: 0, or one more than its parent's."""
+    turns: list[int] = []
+    for j in conversation_parents(hash_ids):
+        turns.append(0 if j is None else turns[j] + 1)
     return turns
 
 

@@ -4,8 +4,8 @@ At small host budgets most of the optimum's extra hits are next turns of convers
 keeps because it knows they come back (`BENCHMARKS.md`, replay). An online policy can only
 guess which ones will, from what it has seen. This script measures how well each signal a
 trace offers does that. For every request it asks whether a later request extends its prompt,
-i.e. starts with all of its blocks but the last, partial one (``policy_bounds.conversation_turns``
-finds conversations the same way). Signals:
+i.e. starts with all of its blocks but the last, partial one (``policy_bounds.conversation_parents``,
+which the turns of ``bench/policy_bounds.py`` come from too). Signals:
 
 - the request's turn;
 - its answer's length;
@@ -28,6 +28,7 @@ import json
 import math
 
 import numpy as np
+from policy_bounds import conversation_parents  # bench/ is on the path when run
 
 from hicache import replay
 
@@ -62,17 +63,7 @@ def main() -> None:
     with open(args.trace) as f:
         rows = [json.loads(line) for line in f if line.strip()]
     pool_pages = replay.parse_capacity(args.capacity, 1)
-    parent: list[int | None] = []
-    ends: dict[tuple[int, ...], int] = {}
-    for i, row in enumerate(rows):
-        ids = row["hash_ids"]
-        found = None
-        for n in range(len(ids) - 1, 1, -1):
-            found = ends.get(tuple(ids[:n]))
-            if found is not None:
-                break
-        parent.append(found)
-        ends[tuple(ids[:-1])] = i
+    parent = conversation_parents([row["hash_ids"] for row in rows])
     pages_before = np.cumsum([0] + [-(-int(r["input_length"]) // replay.PAGE_TOKENS) for r in rows])
     turn = [0] * len(rows)
     continues = np.zeros(len(rows))
