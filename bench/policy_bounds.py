@@ -38,7 +38,14 @@ k pools' worth of prompt keys); ``oracle`` (only pages read again); ``sample<q>`
 only a fraction q of conversations, chosen by a hash of the first page a prompt does not share
 with the prompts before it, so that a subset is kept longer); ``compare<m>`` (a page in the ghost,
 or one whose chance of a read within the horizon, by its class, beats the victim's by more than
-m: TinyLFU's comparison with the hazard's estimate).
+m: TinyLFU's comparison with the hazard's estimate); ``noisya<auc>@<t>`` (how good a guess of
+"this page is read again" the ghost would need: while full, a page in the ghost whose guess
+passes, the guess being the truth blurred by one normal draw per request, so that it separates
+pages read again from the others with the given AUC, passing above the midpoint plus t standard
+deviations; ``noisyg`` takes a page in the ghost or one whose guess passes, ``noisy`` the guess
+alone); ``learned<p>`` (an online guess: a page in the ghost if a logistic model of "the
+conversation continues" on the request's SIGNALS, refit every 256 requests on those 16 pools'
+worth of traffic old, gives at least p).
 
     python bench/policy_bounds.py data/traces/mooncake_conversation_trace.jsonl --capacity 1M
 """
@@ -52,7 +59,9 @@ import math
 import random
 from collections import Counter, OrderedDict
 from collections.abc import Callable
+from statistics import NormalDist
 
+import numpy as np
 from policy_prototypes import sweep  # the shared command line (bench/ is on the path when run)
 
 from hicache import replay
@@ -84,6 +93,10 @@ class Trace:
 
 OUTPUTS: list[int] = []  # each request's output_length, read from the trace by main()
 TURNS: list[int] = []  # each request's turn: how many earlier prompts it extends (main())
+FEATURES: list[list[float]] = []  # per request, 1 and its SIGNALS: what learned<p> admits by (main())
+PARENTS: list[int | None] = []  # per request, the request whose prompt it extends (main())
+
+
 MAX_TURN = 7
 
 
@@ -110,6 +123,39 @@ def conversation_turns(hash_ids: list[list[int]]) -> list[int]:
     for j in conversation_parents(hash_ids):
         turns.append(0 if j is None else turns[j] + 1)
     return turns
+
+
+SIGNALS = (
+    "turn",
+    "tokens added this turn",
+    "seconds since the previous turn",
+    "answer length",
+    "prompt length",
+)
+
+
+def request_features(rows: list[dict], parents: list[int | None]) -> list[list[float]]:
+    """What a request tells an online policy of its conversation's future, one value per name in
+    SIGNALS (logs of lengths and times; -1 seconds for a first turn)."""
+    turns: list[int] = []
+    out = []
+    for r, j in zip(rows, parents, strict=True):
+        turns.append(0 if j is None else turns[j] + 1)
+        added = abs(r["input_length"] - (0 if j is None else rows[j]["input_length"]))
+        since = -1.0 if j is None else math.log1p((r["timestamp"] - rows[j]["timestamp"]) / 1000)
+        lengths = [math.log1p(r["output_length"]), math.log1p(r["input_length"])]
+        out.append([float(min(turns[-1], 10)), math.log1p(added), since, *lengths])
+    return out
+
+
+def logistic_fit(x: np.ndarray, y: np.ndarray, iterations: int = 25) -> np.ndarray:
+    """Weights w (x's first column a constant) for P(y) = 1 / (1 + exp(-x @ w))."""
+    w = np.zeros(x.shape[1])
+    for _ in range(iterations):  # Newton's method, a touch of ridge for stability
+        p = 1 / (1 + np.exp(-x @ w))
+        hess = (x * (p * (1 - p))[:, None]).T @ x + 1e-6 * np.eye(len(w))
+        w += np.linalg.solve(hess, x.T @ (y - p))
+    return w
 
 
 COARSE = [""]  # the coarse classes simulate() uses now: "", "out", "turn" or "outturn"
@@ -268,6 +314,20 @@ def simulate(tr: Trace, capacity: int, admission: str, eviction: str, horizon: i
     seen: Counter[Page] = Counter()
     last_seen: dict[Page, int] = {}
     left = Counter(p for req in tr.reqs for p in req) if admission == "oracle" else Counter()
+    learned = admission.startswith("learned")
+    cut_p = float(admission[7:] or 0.3) if learned else 0.0
+    continued = np.zeros(len(tr.reqs))
+    matured = 0
+    weights: np.ndarray | None = None
+    guess = 1.0
+    noisy = admission.startswith("noisy")
+    if noisy:
+        spec = admission[5:]
+        ghost_rule = spec[0] if spec[0] in "ga" else ""  # g: the ghost or the guess; a: both
+        auc_text, _, thr_text = spec.lstrip("ga").partition("@")
+        sep = math.sqrt(2) * NormalDist().inv_cdf(float(auc_text))
+        cut = sep / 2 + float(thr_text or 0)
+        noise = random.Random(seed + 7)
     served = 0
     for r, req in enumerate(tr.reqs):
         now = tr.starts[r]
@@ -295,6 +355,16 @@ def simulate(tr: Trace, capacity: int, admission: str, eviction: str, horizon: i
                     note_gap(pend[1], now - pend[0])
                 pending[q] = (now, k)
                 queue.append((now, q))
+        n_r = noise.gauss(0, 1) if noisy else 0.0
+        if learned:
+            if PARENTS[r] is not None:
+                continued[PARENTS[r]] = 1.0
+            while matured < r and tr.starts[matured] < now - expire:
+                matured += 1
+            if matured >= 200 and r % 256 == 0:
+                weights = logistic_fit(np.array(FEATURES[:matured]), continued[:matured], 15)
+            if weights is not None:
+                guess = 1 / (1 + math.exp(-float(np.dot(weights, FEATURES[r]))))
         in_ghost = set()
         for q in req:
             if q in ghost:
@@ -314,6 +384,17 @@ def simulate(tr: Trace, capacity: int, admission: str, eviction: str, horizon: i
             if p not in parent:
                 if admission == "oracle" and left[p] == 0:
                     break  # never read again
+                if learned and len(parent) >= capacity and (p not in in_ghost or guess < cut_p):
+                    break
+                if (
+                    noisy
+                    and len(parent) >= capacity
+                    and not (ghost_rule == "g" and p in in_ghost)
+                    and (
+                        sep * (next_use[p] != NEVER) + n_r <= cut or (ghost_rule == "a" and p not in in_ghost)
+                    )
+                ):
+                    break
                 if len(parent) >= capacity:
                     if admission.startswith(("ghost", "sample")) and p not in in_ghost:
                         break
@@ -357,6 +438,8 @@ def main() -> None:
         rows = [json.loads(line) for line in f if line.strip()]
     OUTPUTS.extend(int(row.get("output_length", 0)) for row in rows)
     TURNS.extend(conversation_turns([row["hash_ids"] for row in rows]))
+    PARENTS.extend(conversation_parents([row["hash_ids"] for row in rows]))
+    FEATURES.extend([1.0, *f] for f in request_features(rows, PARENTS))
 
     def run(raw: replay.Trace, cap: int, admission: str, eviction: str) -> int:
         tr = traces.setdefault(id(raw), Trace(raw))

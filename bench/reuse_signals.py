@@ -5,16 +5,20 @@ keeps because it knows they come back (`BENCHMARKS.md`, replay). An online polic
 guess which ones will, from what it has seen. This script measures how well each signal a
 trace offers does that. For every request it asks whether a later request extends its prompt,
 i.e. starts with all of its blocks but the last, partial one (``policy_bounds.conversation_parents``,
-which the turns of ``bench/policy_bounds.py`` come from too). Signals:
+which the turns of ``bench/policy_bounds.py`` come from too). Signals
+(``policy_bounds.request_features``, which ``learned<p>`` admission there predicts from):
 
 - the request's turn;
-- its answer's length;
-- its prompt's length;
 - the tokens it added to its conversation;
-- the time since its previous turn.
+- the time since its previous turn;
+- its answer's length;
+- its prompt's length.
 
 For each one it prints the AUC of "continues" (0.5: no signal; 1.0: separates perfectly), and the
 same for a logistic model on all of them, fit on the trace's first half and scored on its second.
+A second column asks the same where a ghost's admission is decided: among later turns only, each
+weighted by the pages its prompt shares with its parent's (the pages seen before), so that it
+compares with ``policy_bounds``' ``noisy<auc>`` admission.
 It also prints the spread of the gaps to the next turn, in seconds and in pools' worth of
 traffic at the given capacity.
 
@@ -25,34 +29,23 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 
 import numpy as np
-from policy_bounds import conversation_parents  # bench/ is on the path when run
+from policy_bounds import SIGNALS, conversation_parents, logistic_fit, request_features  # bench/ on the path
 
 from hicache import replay
 
 
-def auc(score: np.ndarray, label: np.ndarray) -> float:
-    """The chance that a random positive scores above a random negative (ties count half)."""
-    order = np.argsort(score, kind="stable")
-    ranks = np.empty(len(score))
-    ranks[order] = np.arange(1, len(score) + 1)
-    for v in np.unique(score):  # average ranks over ties
-        tie = score == v
-        ranks[tie] = ranks[tie].mean()
+def auc(score: np.ndarray, label: np.ndarray, weight: np.ndarray | None = None) -> float:
+    """The chance that a random positive scores above a random negative (ties count half),
+    each drawn in proportion to its weight (1 if none)."""
+    w = np.ones(len(score)) if weight is None else np.asarray(weight, dtype=float)
     pos = label.astype(bool)
-    n_pos, n_neg = int(pos.sum()), int((~pos).sum())
-    return float((ranks[pos].sum() - n_pos * (n_pos + 1) / 2) / (n_pos * n_neg))
-
-
-def logistic_fit(x: np.ndarray, y: np.ndarray, iterations: int = 25) -> np.ndarray:
-    w = np.zeros(x.shape[1])
-    for _ in range(iterations):  # Newton's method, a touch of ridge for stability
-        p = 1 / (1 + np.exp(-x @ w))
-        hess = (x * (p * (1 - p))[:, None]).T @ x + 1e-6 * np.eye(len(w))
-        w += np.linalg.solve(hess, x.T @ (y - p))
-    return w
+    values, group = np.unique(score, return_inverse=True)
+    neg_in = np.bincount(group, weights=w * ~pos, minlength=len(values))
+    pos_in = np.bincount(group, weights=w * pos, minlength=len(values))
+    neg_below = np.cumsum(neg_in) - neg_in
+    return float((pos_in * (neg_below + neg_in / 2)).sum() / (pos_in.sum() * neg_in.sum()))
 
 
 def main() -> None:
@@ -71,31 +64,29 @@ def main() -> None:
         if j is not None:
             turn[i] = turn[j] + 1
             continues[j] = 1
-    signals = {
-        "turn": [float(min(t, 10)) for t in turn],
-        "answer length": [math.log1p(r["output_length"]) for r in rows],
-        "prompt length": [math.log1p(r["input_length"]) for r in rows],
-        "tokens added this turn": [
-            math.log1p(abs(r["input_length"] - (0 if j is None else rows[j]["input_length"])))
-            for r, j in zip(rows, parent, strict=True)
-        ],
-        "seconds since the previous turn": [
-            -1.0 if j is None else math.log1p((r["timestamp"] - rows[j]["timestamp"]) / 1000)
-            for r, j in zip(rows, parent, strict=True)
-        ],
-    }
+    signals = dict(zip(SIGNALS, np.array(request_features(rows, parent)).T, strict=True))
     x = np.column_stack([np.ones(len(rows))] + [np.array(v) for v in signals.values()])
     half = len(rows) // 2
     print(f"{args.trace}: {len(rows)} requests, {continues.mean():.3f} of them continued later")
-    print("| signal | AUC of 'the conversation continues' |\n| --- | --- |")
+    # The pages a ghost admits are those seen before: a later turn's pages that its parent's
+    # prompt had. Among them, how well does each signal tell the ones read again?
+    later = np.array([j is not None for j in parent])
+    seen_pages = np.array([0 if j is None else pages_before[j + 1] - pages_before[j] for j in parent])
+    print("| signal | AUC of 'the conversation continues' | among later turns, by pages seen before |")
+    print("| --- | --- | --- |")
+
+    def both(score: np.ndarray, rows_in: np.ndarray) -> str:
+        a = auc(score, continues[rows_in])
+        ghost = rows_in[later[rows_in]]
+        b = auc(score[later[rows_in]], continues[ghost], seen_pages[ghost])
+        return f"{max(a, 1 - a):.3f} | {max(b, 1 - b):.3f}"
+
+    everyone = np.arange(len(rows))
     for name, values in signals.items():
-        a = auc(np.array(values), continues)
-        print(f"| {name} | {max(a, 1 - a):.3f} |")
+        print(f"| {name} | {both(values, everyone)} |")
     w = logistic_fit(x[:half], continues[:half])
-    print(
-        f"| all of them (logistic, fit on the first half, scored on the second) | "
-        f"{auc(x[half:] @ w, continues[half:]):.3f} |"
-    )
+    logistic = both(x[half:] @ w, everyone[half:])
+    print(f"| all of them (logistic, fit on the first half, scored on the second) | {logistic} |")
     by_turn = [(t, continues[[k for k in range(len(rows)) if min(turn[k], 7) == t]]) for t in range(8)]
     print("\n| turn | requests | continued |\n| --- | --- | --- |")
     for t, c in by_turn:
