@@ -18,7 +18,7 @@ For each one it prints the AUC of "continues" (0.5: no signal; 1.0: separates pe
 same for a logistic model on all of them, fit on the trace's first half and scored on its second.
 A second column asks the same where a ghost's admission is decided: among later turns only, each
 weighted by the pages its prompt shares with its parent's (the pages seen before), so that it
-compares with ``policy_bounds``' ``noisy<auc>`` admission.
+compares with ``policy_bounds``' ``noisya<auc>`` admission.
 It also prints the spread of the gaps to the next turn, in seconds and in pools' worth of
 traffic at the given capacity.
 
