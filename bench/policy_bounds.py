@@ -117,10 +117,11 @@ def conversation_parents(hash_ids: list[list[int]]) -> list[int | None]:
     return parents
 
 
-def conversation_turns(hash_ids: list[list[int]]) -> list[int]:
-    """Per request, the turn of its conversation: 0, or one more than its parent's."""
+def conversation_turns(parents: list[int | None]) -> list[int]:
+    """Per request, the turn of its conversation: 0, or one more than its parent's
+    (``conversation_parents``)."""
     turns: list[int] = []
-    for j in conversation_parents(hash_ids):
+    for j in parents:
         turns.append(0 if j is None else turns[j] + 1)
     return turns
 
@@ -137,14 +138,12 @@ SIGNALS = (
 def request_features(rows: list[dict], parents: list[int | None]) -> list[list[float]]:
     """What a request tells an online policy of its conversation's future, one value per name in
     SIGNALS (logs of lengths and times; -1 seconds for a first turn)."""
-    turns: list[int] = []
     out = []
-    for r, j in zip(rows, parents, strict=True):
-        turns.append(0 if j is None else turns[j] + 1)
+    for r, j, turn in zip(rows, parents, conversation_turns(parents), strict=True):
         added = abs(r["input_length"] - (0 if j is None else rows[j]["input_length"]))
         since = -1.0 if j is None else math.log1p((r["timestamp"] - rows[j]["timestamp"]) / 1000)
         lengths = [math.log1p(r["output_length"]), math.log1p(r["input_length"])]
-        out.append([float(min(turns[-1], 10)), math.log1p(added), since, *lengths])
+        out.append([float(min(turn, 10)), math.log1p(added), since, *lengths])
     return out
 
 
@@ -384,20 +383,16 @@ def simulate(tr: Trace, capacity: int, admission: str, eviction: str, horizon: i
             if p not in parent:
                 if admission == "oracle" and left[p] == 0:
                     break  # never read again
-                if learned and len(parent) >= capacity and (p not in in_ghost or guess < cut_p):
-                    break
-                if (
-                    noisy
-                    and len(parent) >= capacity
-                    and not (ghost_rule == "g" and p in in_ghost)
-                    and (
-                        sep * (next_use[p] != NEVER) + n_r <= cut or (ghost_rule == "a" and p not in in_ghost)
-                    )
-                ):
-                    break
                 if len(parent) >= capacity:
                     if admission.startswith(("ghost", "sample")) and p not in in_ghost:
                         break
+                    if learned and (p not in in_ghost or guess < cut_p):
+                        break
+                    if noisy:
+                        passes = sep * (next_use[p] != NEVER) + n_r > cut
+                        in_g = p in in_ghost
+                        if not {"g": in_g or passes, "a": in_g and passes, "": passes}[ghost_rule]:
+                            break
                     if admission.startswith("sample") and i >= own and not sampled:
                         break
                     picks = [leaves[rnd.randrange(len(leaves))] for _ in range(SAMPLES)] if leaves else []
@@ -437,8 +432,8 @@ def main() -> None:
     with open(path.parse_known_args()[0].trace) as f:
         rows = [json.loads(line) for line in f if line.strip()]
     OUTPUTS.extend(int(row.get("output_length", 0)) for row in rows)
-    TURNS.extend(conversation_turns([row["hash_ids"] for row in rows]))
     PARENTS.extend(conversation_parents([row["hash_ids"] for row in rows]))
+    TURNS.extend(conversation_turns(PARENTS))
     FEATURES.extend([1.0, *f] for f in request_features(rows, PARENTS))
 
     def run(raw: replay.Trace, cap: int, admission: str, eviction: str) -> int:

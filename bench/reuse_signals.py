@@ -31,7 +31,13 @@ import argparse
 import json
 
 import numpy as np
-from policy_bounds import SIGNALS, conversation_parents, logistic_fit, request_features  # bench/ on the path
+from policy_bounds import (  # bench/ is on the path when run
+    SIGNALS,
+    conversation_parents,
+    conversation_turns,
+    logistic_fit,
+    request_features,
+)
 
 from hicache import replay
 
@@ -58,14 +64,12 @@ def main() -> None:
     pool_pages = replay.parse_capacity(args.capacity, 1)
     parent = conversation_parents([row["hash_ids"] for row in rows])
     pages_before = np.cumsum([0] + [-(-int(r["input_length"]) // replay.PAGE_TOKENS) for r in rows])
-    turn = [0] * len(rows)
+    turn = conversation_turns(parent)
     continues = np.zeros(len(rows))
-    for i, j in enumerate(parent):
-        if j is not None:
-            turn[i] = turn[j] + 1
-            continues[j] = 1
-    signals = dict(zip(SIGNALS, np.array(request_features(rows, parent)).T, strict=True))
-    x = np.column_stack([np.ones(len(rows))] + [np.array(v) for v in signals.values()])
+    continues[[j for j in parent if j is not None]] = 1
+    features = np.array(request_features(rows, parent))
+    signals = dict(zip(SIGNALS, features.T, strict=True))
+    x = np.column_stack([np.ones(len(rows)), features])
     half = len(rows) // 2
     print(f"{args.trace}: {len(rows)} requests, {continues.mean():.3f} of them continued later")
     # The pages a ghost admits are those seen before: a later turn's pages that its parent's
