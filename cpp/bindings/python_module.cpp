@@ -11,6 +11,7 @@
 #include <nanobind/stl/shared_ptr.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/string_view.h>
+#include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 #include <nanobind/trampoline.h>
 
@@ -399,7 +400,12 @@ std::int64_t try_resume(PyCache& self, std::string_view request_id, Tokens promp
 std::int64_t store(PyCache& self, std::string_view request_id, Tokens tokens, BlockIds block_ids,
                    std::uintptr_t stream, std::optional<nb::callable> state_export,
                    std::optional<nb::bytes> salt) {
-  std::vector<nb::object> keep;  // buffers returned by state_export, alive until we return
+  // The arrays state_export returned, alive until we return (the GIL is held again then). The
+  // ndarrays, not the capsules they came from: converting a DLPack capsule consumes it, and the
+  // ndarray then owns the tensor, so a buffer kept only by its (renamed) capsule was freed when
+  // the ndarray went out of scope, before the copy read it. An engine returning a fresh array
+  // per position then had another thread's array copied in its place (issue 32).
+  std::vector<nb::ndarray<nb::ro>> keep;
   hicache::HostPrefixCache::StateExportFn fn;
   if (state_export) {
     fn = [&state_export, &keep](std::int64_t pos) -> std::optional<hicache::StateBuffers> {
@@ -412,13 +418,13 @@ std::int64_t store(PyCache& self, std::string_view request_id, Tokens tokens, Bl
             "state_export must return a list of arrays (DLPack tensors), one per state part, or "
             "None");
       }
-      keep.push_back(r);
       hicache::StateBuffers state;
       const std::string what = "state_export(" + std::to_string(pos) + ")";
       for (std::size_t i = 0; i < arrays.size(); ++i) {
         state.parts.push_back(
             buffer_of(arrays[i], arrays.size() == 1 ? what : what + " part " + std::to_string(i)));
       }
+      for (auto& a : arrays) keep.push_back(std::move(a));
       return state;
     };
   }
@@ -443,6 +449,18 @@ NB_MODULE(_core, m) {
 
   m.def("cuda_available", &hicache::cuda_available,
         "Whether this build has the CUDA copier and a CUDA device is visible.");
+  m.def("reclaim_shared_regions", &hicache::reclaim_shared_regions,
+        "Remove every hicache region under /dev/shm whose creator is no longer running; returns "
+        "their names.");
+  m.def(
+      "host_memory",
+      []() -> std::optional<std::pair<std::size_t, std::size_t>> {
+        const auto m = hicache::read_host_memory();
+        if (!m) return std::nullopt;
+        return std::make_pair(m->total, m->available);
+      },
+      "(MemTotal, MemAvailable) in bytes as the core reads them (what pools pinned in the "
+      "background pace themselves by), or None where they cannot be read.");
   m.def(
       "chain_keys",
       [](nb::bytes salt, Tokens tokens, std::int64_t block_tokens, int key_bits) {
@@ -599,7 +617,8 @@ NB_MODULE(_core, m) {
           "__init__",
           [](PyMover* self, std::vector<nb::ndarray<>> segments, std::int64_t num_slots,
              const std::string& copier, std::optional<std::string> shared_memory, bool create,
-             std::size_t chunk_bytes, const std::string& cuda_path, int cuda_blocks) {
+             std::size_t chunk_bytes, const std::string& cuda_path, int cuda_blocks,
+             const std::string& owner, double attach_timeout_s) {
             auto [segs, device] = segments_of(segments);
             const hicache::CudaCopierOptions cuda_options =
                 cuda_options_of(cuda_blocks, hicache::CudaCopierOptions{}.staging_bytes, cuda_path);
@@ -614,15 +633,22 @@ NB_MODULE(_core, m) {
                                           "'");
             }
             std::shared_ptr<hicache::HostAllocator> memory;
-            if (shared_memory)
-              memory = hicache::make_shared_memory_allocator(*shared_memory, create);
+            if (shared_memory) {
+              std::int64_t page = 0;
+              for (const auto& seg : segs) page += seg.block_bytes;
+              memory = hicache::make_shared_region_allocator(
+                  {*shared_memory, create, owner,
+                   "page_bytes=" + std::to_string(page) + " slots=" + std::to_string(num_slots),
+                   attach_timeout_s});
+            }
             new (self) PyMover{std::move(segments), std::make_unique<hicache::SlotMover>(
                                                         std::move(segs), device, num_slots, chosen,
                                                         memory, chunk_bytes)};
           },
           "segments"_a, "num_slots"_a, "copier"_a, "shared_memory"_a.none(), "create"_a,
           "chunk_bytes"_a, "cuda_path"_a = "auto",
-          "cuda_blocks"_a = hicache::CudaCopierOptions{}.max_blocks)
+          "cuda_blocks"_a = hicache::CudaCopierOptions{}.max_blocks, "owner"_a = "",
+          "attach_timeout_s"_a = 60.0)
       .def(
           "submit",
           [](PyMover& self, bool to_host, BlockIds slots, BlockIds blocks, std::uintptr_t stream) {
@@ -657,6 +683,14 @@ NB_MODULE(_core, m) {
       .def_prop_ro("page_bytes",
                    [](const PyMover& self) { return self.mover->layout().page_bytes(); })
       .def_prop_ro("num_slots", [](const PyMover& self) { return self.mover->num_slots(); })
+      .def_prop_ro(
+          "pinning",
+          [](const PyMover& self) {
+            const auto s = self.mover->pool().status();
+            return std::make_tuple(std::string(hicache::HostPool::name(s.pinning)), s.note,
+                                   s.allocated_bytes, s.total_bytes);
+          },
+          "(state, note, allocated bytes, total bytes) of the slots' memory (CacheStats.pinning)")
       .def_prop_ro("copy_path", [](const PyMover& self) { return self.mover->copy_path(); });
 
   nb::class_<hicache::Tier, PyTier>(m, "Tier",
@@ -735,9 +769,11 @@ NB_MODULE(_core, m) {
       .def_ro("admitting_second_sightings_only",
               &hicache::CacheStats::admitting_second_sightings_only)
       .def_ro("pages_stored", &hicache::CacheStats::pages_stored)
+      .def_ro("pages_discarded", &hicache::CacheStats::pages_discarded)
       .def_ro("pages_loaded", &hicache::CacheStats::pages_loaded)
       .def_ro("pages_evicted", &hicache::CacheStats::pages_evicted)
       .def_ro("states_stored", &hicache::CacheStats::states_stored)
+      .def_ro("states_discarded", &hicache::CacheStats::states_discarded)
       .def_ro("states_loaded", &hicache::CacheStats::states_loaded)
       .def_ro("states_evicted", &hicache::CacheStats::states_evicted)
       .def_ro("transfers_in_flight", &hicache::CacheStats::transfers_in_flight)
@@ -748,6 +784,9 @@ NB_MODULE(_core, m) {
       .def_ro("states_capacity", &hicache::CacheStats::states_capacity)
       .def_ro("states_busy", &hicache::CacheStats::states_busy)
       .def_ro("host_bytes", &hicache::CacheStats::host_bytes)
+      .def_ro("host_bytes_capacity", &hicache::CacheStats::host_bytes_capacity)
+      .def_ro("pinning", &hicache::CacheStats::pinning)
+      .def_ro("pinning_note", &hicache::CacheStats::pinning_note)
       .def_ro("requests", &hicache::CacheStats::requests)
       .def_ro("salts", &hicache::CacheStats::salts)
       .def_prop_ro("load_latency",

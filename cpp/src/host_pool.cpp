@@ -2,12 +2,13 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdio>
 #include <cstdlib>
-#include <fstream>
 #include <stdexcept>
 #include <string>
 
 #include "hicache/error.hpp"
+#include "hicache/host_memory.hpp"
 
 namespace hicache {
 namespace {
@@ -24,26 +25,38 @@ class AlignedHostAllocator final : public HostAllocator {
   const char* name() const override { return "aligned"; }
 };
 
-// MemTotal and MemAvailable in bytes, or false where /proc/meminfo cannot be read.
-bool read_meminfo(std::size_t& total, std::size_t& available) {
-  std::ifstream in("/proc/meminfo");
-  std::string key, unit;
-  std::size_t kib = 0;
-  int found = 0;
-  while (in >> key >> kib >> unit) {
-    if (key == "MemTotal:") total = kib << 10, ++found;
-    if (key == "MemAvailable:") available = kib << 10, ++found;
-  }
-  return found == 2;
-}
-
 }  // namespace
 
 bool HostAllocator::room_for(std::size_t bytes) const {
-  std::size_t total = 0, available = 0;
-  if (!read_meminfo(total, available)) return true;
-  const std::size_t reserve = std::max<std::size_t>(std::size_t{1} << 30, total / 32);
-  return available >= reserve && available - reserve >= bytes;
+  const auto m = read_host_memory();
+  if (!m) return true;  // not Linux, or unreadable: no reason to hold back
+  const std::size_t reserve = host_memory_reserve(*m);
+  return m->available >= reserve && m->available - reserve >= bytes;
+}
+
+std::string HostAllocator::memory_report() const {
+  const auto m = read_host_memory();
+  if (!m) return "host memory unknown (/proc/meminfo unreadable)";
+  char kept[48];
+  std::snprintf(kept, sizeof kept, ", %.1f GiB kept free",
+                static_cast<double>(host_memory_reserve(*m)) / (1 << 30));
+  return describe(*m) + kept;
+}
+
+const char* HostPool::name(Pinning p) {
+  switch (p) {
+    case Pinning::kOnDemand:
+      return "on demand";
+    case Pinning::kWhole:
+      return "whole";
+    case Pinning::kPinning:
+      return "pinning";
+    case Pinning::kWaitingForMemory:
+      return "waiting for memory";
+    case Pinning::kStopped:
+      return "stopped";
+  }
+  return "?";
 }
 
 std::shared_ptr<HostAllocator> make_aligned_host_allocator() {
@@ -115,6 +128,7 @@ void HostPool::allocate_now(std::size_t c) {
   } catch (const std::exception& e) {
     ch.state = State::kFailed;
     ch.failure = e.what();
+    last_failure_ = e.what();
   }
 }
 
@@ -143,7 +157,11 @@ bool HostPool::next_job(std::size_t& c) {
   // Too little memory left: wait and look again (memory may be freed, and some VMs grow their
   // memory as it is used); meanwhile a slot asked for still gets its chunk.
   sweep_waiting_ = !allocator_->room_for(chunk_size(sweep_next_));
-  if (sweep_waiting_) return false;
+  if (sweep_waiting_) {
+    if (waiting_note_.empty()) waiting_note_ = allocator_->memory_report();  // once a pause
+    return false;
+  }
+  waiting_note_.clear();
   c = sweep_next_++;
   chunk(c).state = State::kRequested;
   return true;
@@ -155,6 +173,7 @@ void HostPool::worker() {
     std::size_t c = 0;
     while (!stopping_ && !next_job(c)) {
       if (sweep_waiting_) {
+        cv_.notify_all();  // wait_idle() returns while the sweep waits for memory
         cv_.wait_for(lock, std::chrono::milliseconds(200));
       } else {
         cv_.wait(lock);
@@ -178,9 +197,11 @@ void HostPool::worker() {
       ch.data = p;
       ch.state = State::kReady;
       allocated_bytes_ += bytes;
+      sweep_stopped_ = false;  // memory can be had again: the sweep goes on
     } else {
       ch.state = State::kFailed;
       ch.failure = err;
+      last_failure_ = err;
       sweep_stopped_ = true;  // likely out of memory: pin more only when asked
     }
     cv_.notify_all();
@@ -226,6 +247,32 @@ void HostPool::wait_idle() {
 std::size_t HostPool::allocated_bytes() const {
   std::lock_guard<std::mutex> g(mu_);
   return allocated_bytes_;
+}
+
+std::size_t HostPool::total_bytes() const {
+  const auto n = static_cast<std::size_t>(num_slots_);
+  return n > SIZE_MAX / slot_stride_ ? SIZE_MAX : n * slot_stride_;  // "unbounded" pools
+}
+
+HostPool::Status HostPool::status() const {
+  std::lock_guard<std::mutex> g(mu_);
+  Status s;
+  s.allocated_bytes = allocated_bytes_;
+  s.total_bytes = total_bytes();
+  s.note = last_failure_;
+  if (growth_ == Growth::kOnDemand) {
+    s.pinning = s.allocated_bytes == s.total_bytes ? Pinning::kWhole : Pinning::kOnDemand;
+  } else if (s.allocated_bytes == s.total_bytes) {
+    s.pinning = Pinning::kWhole;
+  } else if (sweep_stopped_) {
+    s.pinning = Pinning::kStopped;
+  } else if (sweep_waiting_) {
+    s.pinning = Pinning::kWaitingForMemory;
+    s.note = "too little host memory to pin ahead of need: " + waiting_note_;
+  } else {
+    s.pinning = Pinning::kPinning;
+  }
+  return s;
 }
 
 }  // namespace hicache

@@ -288,6 +288,13 @@ void HostPrefixCache::finish(Transfer& t) {
       }
     }
   };
+  // What a store did is known now: published, or discarded (forgotten, raised, failed).
+  if (t.is_store) {
+    (t.discard ? stats_.pages_discarded : stats_.pages_stored) +=
+        static_cast<std::int64_t>(t.pages.size());
+    (t.discard ? stats_.states_discarded : stats_.states_stored) +=
+        static_cast<std::int64_t>(t.states.size());
+  }
   settle(pages_, t.pages);
   settle(states_, t.states);
   if (link_ && t.is_store && !t.discard && !t.pages.empty()) write_to_tier(t);
@@ -714,7 +721,6 @@ std::int64_t HostPrefixCache::store(std::string_view request_id,
       if (failed) {  // earlier installments stand: their pages are the prompt's prefix
         observe_rest();
         close(false);
-        stats_.pages_stored += new_pages;
         return new_pages;
       }
       note_success();
@@ -734,7 +740,6 @@ std::int64_t HostPrefixCache::store(std::string_view request_id,
   const std::vector<Entry*>& chain = w.chain;
 
   pages_.touch_chain(chain);
-  stats_.pages_stored += new_pages;
 
   if (config_.state_bytes > 0 && state_export) {
     // Serials, not pointers: store_state unlocks while the engine exports.
@@ -823,7 +828,6 @@ bool HostPrefixCache::store_state(std::string_view request_id, const Key& key,
   if (Transfer* r = register_transfer(std::move(t), stream, failed)) opened.push_back(r);
   if (failed) return false;
   note_success();
-  ++stats_.states_stored;
   return true;
 }
 
@@ -860,8 +864,43 @@ CacheStats HostPrefixCache::stats() const {
   s.states_used = states_.size();
   s.states_capacity = states_.capacity();
   s.states_busy = states_.busy();
-  s.host_bytes = static_cast<std::int64_t>(mover_.pool().allocated_bytes() +
-                                           (state_pool_ ? state_pool_->allocated_bytes() : 0));
+  // The pools' memory: the least advanced pool speaks for both (stopped, then waiting, then
+  // pinning, then on demand, then whole).
+  auto order = [](HostPool::Pinning p) {
+    switch (p) {
+      case HostPool::Pinning::kStopped:
+        return 0;
+      case HostPool::Pinning::kWaitingForMemory:
+        return 1;
+      case HostPool::Pinning::kPinning:
+        return 2;
+      case HostPool::Pinning::kOnDemand:
+        return 3;
+      case HostPool::Pinning::kWhole:
+        return 4;
+    }
+    return 4;
+  };
+  HostPool::Status pool = mover_.pool().status();
+  if (state_pool_) {
+    const HostPool::Status st = state_pool_->status();
+    pool.allocated_bytes += st.allocated_bytes;
+    pool.total_bytes =
+        st.total_bytes > SIZE_MAX - pool.total_bytes ? SIZE_MAX : pool.total_bytes + st.total_bytes;
+    if (order(st.pinning) < order(pool.pinning)) {
+      pool.pinning = st.pinning;
+      pool.note = st.note;
+    } else if (pool.note.empty()) {
+      pool.note = st.note;
+    }
+  }
+  const auto clamp = [](std::size_t v) {
+    return static_cast<std::int64_t>(std::min<std::size_t>(v, INT64_MAX));
+  };
+  s.host_bytes = clamp(pool.allocated_bytes);
+  s.host_bytes_capacity = clamp(pool.total_bytes);
+  s.pinning = HostPool::name(pool.pinning);
+  s.pinning_note = pool.note;
   s.requests = static_cast<std::int64_t>(requests_.size());
   s.salts = static_cast<std::int64_t>(roots_.size());
   s.admitting_second_sightings_only = admission_.wants_second_sighting();

@@ -1,13 +1,6 @@
 #include "hicache/slot_mover.hpp"
 
-#include <fcntl.h>
-#include <sys/mman.h>
-#include <sys/stat.h>
-#include <unistd.h>
-
 #include <algorithm>
-#include <cerrno>
-#include <cstring>
 #include <stdexcept>
 #include <unordered_set>
 
@@ -18,65 +11,12 @@
 namespace hicache {
 namespace {
 
-class SharedMemoryAllocator final : public HostAllocator {
- public:
-  SharedMemoryAllocator(std::string name, bool create) : name_(std::move(name)), create_(create) {
-    if (name_.empty() || name_.size() > 200 || name_.find('/') != std::string::npos) {
-      throw std::invalid_argument("shared memory name must be 1-200 bytes without '/' (got '" +
-                                  name_ + "')");
-    }
-  }
-  ~SharedMemoryAllocator() override {
-    if (create_ && created_) ::shm_unlink(("/" + name_).c_str());
-  }
-
-  void* allocate(std::size_t bytes) override {
-    const std::string path = "/" + name_;
-    const int fd = ::shm_open(path.c_str(), create_ ? (O_RDWR | O_CREAT) : O_RDWR, 0600);
-    if (fd < 0) fail("shm_open");
-    if (create_) {
-      created_ = true;
-      if (::ftruncate(fd, static_cast<off_t>(bytes)) != 0) {
-        ::close(fd);
-        fail("ftruncate");
-      }
-    } else {
-      struct stat st{};
-      if (::fstat(fd, &st) != 0 || static_cast<std::size_t>(st.st_size) != bytes) {
-        ::close(fd);
-        throw Error("shared memory '" + name_ + "' holds " + std::to_string(st.st_size) +
-                    " bytes, not the " + std::to_string(bytes) +
-                    " this pool needs (same layout and slot count in every process?)");
-      }
-    }
-    void* p = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-    ::close(fd);
-    if (p == MAP_FAILED) fail("mmap");
-    return p;
-  }
-  void deallocate(void* p, std::size_t bytes) noexcept override { ::munmap(p, bytes); }
-  const char* name() const override { return "shared memory"; }
-
- private:
-  [[noreturn]] void fail(const char* what) const {
-    throw Error(std::string(what) + " of shared memory '" + name_ +
-                "' failed: " + std::strerror(errno));
-  }
-  std::string name_;
-  bool create_;
-  bool created_ = false;
-};
-
 std::shared_ptr<Copier> default_copier(Device device) {
   if (device.kind == DeviceKind::kCpu) return std::make_shared<CpuCopier>();
   return make_cuda_copier(device.index);
 }
 
 }  // namespace
-
-std::shared_ptr<HostAllocator> make_shared_memory_allocator(const std::string& name, bool create) {
-  return std::make_shared<SharedMemoryAllocator>(name, create);
-}
 
 SlotMover::SlotMover(
     std::vector<Segment> segments, Device device, std::int64_t num_slots,

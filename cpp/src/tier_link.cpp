@@ -54,6 +54,7 @@ class TierMemory final : public HostAllocator {
   const char* name() const override { return inner_->name(); }
   bool allocation_is_slow() const override { return inner_->allocation_is_slow(); }
   bool room_for(std::size_t bytes) const override { return inner_->room_for(bytes); }
+  std::string memory_report() const override { return inner_->memory_report(); }
 
  private:
   std::shared_ptr<HostAllocator> inner_;

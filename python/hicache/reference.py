@@ -219,7 +219,7 @@ class ReferenceCache:
         self.streams: dict[int, _Stream] = {}
         self.c = dict.fromkeys(
             "lookups lookup_tokens hits hit_tokens deferred stores store_skips collisions pages_declined "
-            "pages_stored pages_loaded states_stored states_loaded".split(),
+            "pages_stored pages_discarded pages_loaded states_stored states_discarded states_loaded".split(),
             0,
         )
 
@@ -284,6 +284,10 @@ class ReferenceCache:
         for t in list(self.transfers):
             if t.open or self.streams[t.stream].completed < t.serial:
                 continue
+            if t.is_store:  # what a store did is known now: published, or discarded
+                kind = "discarded" if t.discard else "stored"
+                self.c[f"pages_{kind}"] += len(t.pages)
+                self.c[f"states_{kind}"] += len(t.states)
             for index, entries in ((self.pages, t.pages), (self.states, t.states)):
                 for e in entries:
                     e.refs -= 1
@@ -484,7 +488,6 @@ class ReferenceCache:
         for e in held:
             e.refs -= 1
         self._touch_chain(chain)
-        self.c["pages_stored"] += len(new)
         try:
             if self.state_bytes > 0 and state_export is not None:
                 serials = [e.serial for e in chain]
@@ -537,7 +540,6 @@ class ReferenceCache:
         src = buf
         self._enqueue(stream, lambda: setattr(e, "data", src.tobytes()))
         self._register(_Transfer(request_id, True, stream, self._record(stream), [], [e], open=True))
-        self.c["states_stored"] += 1
         return True
 
     def poll(self) -> int:

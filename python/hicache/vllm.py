@@ -19,9 +19,12 @@ chose and the engine's blocks, as jobs.
   its shard of every slot).
 - ``admission``: ``"adaptive"`` (default), ``"second-sighting"`` or ``"always"``.
 - ``eviction``: ``"leaf-first"`` (default) or ``"lru"``.
-- ``shared_memory``: true to put each worker's slots in ``/dev/shm`` (other processes can map
-  them); with a replicated layout (MLA over tensor parallelism) all workers then share one
-  region that rank 0 writes, so replicated latents are stored once, not once per rank.
+- ``shared_memory``: true to put each worker's slots in a region under ``/dev/shm``
+  (``hicache-<engine_id>-<rank>``) that other processes of the same engine may map; with a
+  replicated layout (MLA over tensor parallelism) the engine's workers share rank 0's region,
+  so replicated latents are stored once, not once per rank. A region belongs to one engine: a
+  second engine naming it (the same ``engine_id`` on one host) is refused at start-up, and
+  regions left by a killed engine are removed when the next one starts (see ``docs/vllm.md``).
 
 Supported: models with one KV cache group (full attention, MLA), offloaded blocks of one vLLM
 block each (the connector's default). Anything else is refused at start-up with the reason.
@@ -31,6 +34,7 @@ from __future__ import annotations
 
 import bisect
 import hashlib
+import os
 import time
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
@@ -239,10 +243,35 @@ class HicacheManager(OffloadingManager):
         return out
 
 
+def _start_time(pid: int) -> str:
+    """When process ``pid`` started (clock ticks after boot, /proc/<pid>/stat field 22)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return "?"
+
+
+def engine_owner(engine_id: str, world_size: int) -> str:
+    """Who a worker's shared region belongs to: its engine's catalog, named by the engine id and
+    the engine-core process (the workers' parent when the engine has several, which vLLM's
+    multiprocessing executor starts from that process; the worker's own process when it is the
+    only one). Two engines given the same engine_id therefore never name the same owner."""
+    pid = os.getppid() if world_size > 1 else os.getpid()
+    return f"vllm engine {engine_id}, engine core pid {pid} started at {_start_time(pid)}"
+
+
 class HicacheWorker(OffloadingWorker):
     """Worker side: copies between vLLM's KV blocks and hicache's host slots, as jobs."""
 
-    def __init__(self, kv_caches: CanonicalKVCaches, num_slots: int, shared_memory: str | None) -> None:
+    def __init__(
+        self,
+        kv_caches: CanonicalKVCaches,
+        num_slots: int,
+        shared_memory: str | None,
+        owner: str = "",
+        create: bool = True,
+    ) -> None:
         tensors = [t.tensor for t in kv_caches.tensors]
         if not tensors:
             raise ValueError("hicache: vLLM handed the worker no KV cache tensors")
@@ -254,8 +283,9 @@ class HicacheWorker(OffloadingWorker):
             max(1, num_slots),
             "auto",
             shared_memory,
-            True,
+            create,
             max(1 << 30, page * max(1, num_slots)) if shared_memory else 1 << 30,
+            owner=owner,
         )
         self._jobs: dict[int, tuple[int, int, float]] = {}  # our job -> (vLLM job, bytes, start)
         self._done: list[TransferResult] = []
@@ -350,9 +380,12 @@ class HicacheOffloadingSpec(OffloadingSpec):
 
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
         if self._worker is None:
-            name = None
+            name, owner, create = None, "", True
             if self.shared:
-                rank = 0 if self.replicated_layout else self.config.parallel.rank
+                parallel = self.config.parallel
+                rank = 0 if self.replicated_layout else parallel.rank
                 name = f"hicache-{self.config.engine_id}-{rank}"
-            self._worker = HicacheWorker(kv_caches, self.num_slots, name)
+                owner = engine_owner(self.config.engine_id, parallel.world_size)
+                create = rank == parallel.rank  # replicated: rank 0 creates, the others attach
+            self._worker = HicacheWorker(kv_caches, self.num_slots, name, owner, create)
         return self._worker

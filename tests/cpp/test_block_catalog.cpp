@@ -12,6 +12,7 @@
 
 #include "hicache/block_catalog.hpp"
 #include "hicache/error.hpp"
+#include "hicache/shared_region.hpp"
 #include "hicache/slot_mover.hpp"
 #include "hicache/trace_replay.hpp"
 
@@ -180,7 +181,8 @@ TEST(SlotMover, TwoProcessesSharingHostMemorySeeEachOthersSlots) {
   Engine eng;
   std::iota(eng.k.begin(), eng.k.end(), 7);
   std::iota(eng.v.begin(), eng.v.end(), 9);
-  auto memory = hicache::make_shared_memory_allocator(name, /*create=*/true);
+  const std::string layout = "page_bytes=96 slots=16";
+  auto memory = hicache::make_shared_region_allocator({name, true, "catalog-1", layout});
   hicache::SlotMover writer(eng.segments(), {hicache::DeviceKind::kCpu, 0}, 16, nullptr, memory);
   writer.wait(std::vector<std::int64_t>{writer.submit(
       hicache::Direction::kToHost, std::vector<std::int64_t>{11}, std::vector<std::int64_t>{2})});
@@ -190,8 +192,9 @@ TEST(SlotMover, TwoProcessesSharingHostMemorySeeEachOthersSlots) {
     int rc = 1;
     try {
       Engine mine;
-      hicache::SlotMover reader(mine.segments(), {hicache::DeviceKind::kCpu, 0}, 16, nullptr,
-                                hicache::make_shared_memory_allocator(name, false));
+      hicache::SlotMover reader(
+          mine.segments(), {hicache::DeviceKind::kCpu, 0}, 16, nullptr,
+          hicache::make_shared_region_allocator({name, false, "catalog-1", layout}));
       reader.wait(std::vector<std::int64_t>{reader.submit(hicache::Direction::kToDevice,
                                                           std::vector<std::int64_t>{11},
                                                           std::vector<std::int64_t>{0})});
@@ -209,8 +212,9 @@ TEST(SlotMover, TwoProcessesSharingHostMemorySeeEachOthersSlots) {
   EXPECT_EQ(WEXITSTATUS(status), 0);
   // Negative control: a process opening a pool of another size is refused, not misread.
   Engine other;
-  hicache::SlotMover wrong(other.segments(), {hicache::DeviceKind::kCpu, 0}, 17, nullptr,
-                           hicache::make_shared_memory_allocator(name, false));
+  hicache::SlotMover wrong(
+      other.segments(), {hicache::DeviceKind::kCpu, 0}, 17, nullptr,
+      hicache::make_shared_region_allocator({name, false, "catalog-1", "page_bytes=96 slots=17"}));
   EXPECT_THROW(wrong.submit(hicache::Direction::kToHost, std::vector<std::int64_t>{0},
                             std::vector<std::int64_t>{0}),
                hicache::Error);

@@ -489,14 +489,24 @@ TEST(CudaCopier, ThePoolIsPinnedInTheBackgroundWhileTheGpuIsBusy) {
   hicache::CacheConfig c = config(8);
   c.pool_chunk_bytes = 512 << 10;  // two pages a chunk
   c.pin_upfront = false;
-  spin<<<1, 1, 0, s>>>(kSpinCycles);
+  // About 1 s at 2 GHz: far longer than pinning 2 MiB takes, and than the CUDA copier's own
+  // set-up on a busy device (0.1 s was not, on a driver-580 H200 image).
+  spin<<<1, 1, 0, s>>>(20 * kSpinCycles);
   CK(cudaGetLastError());
+  const auto t0 = std::chrono::steady_clock::now();
+  const auto ms = [&] {
+    return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  };
   hicache::HostPrefixCache cache(pool.segments(), kGpu, c);
+  const double built = ms();
   EXPECT_GE(cache.stats().host_bytes, 2 * (256 << 10));  // the first chunk, by the constructor
   for (int i = 0; i < 2000 && cache.stats().host_bytes < 8 * (256 << 10); ++i) {
     std::this_thread::sleep_for(std::chrono::milliseconds(1));
   }
+  const double whole = ms();
+  std::printf("cache built in %.1f ms, pool whole at %.1f ms, beside a busy GPU\n", built, whole);
   EXPECT_EQ(cache.stats().host_bytes, 8 * (256 << 10));
+  EXPECT_EQ(cache.stats().pinning, "whole");
   ASSERT_EQ(cudaStreamQuery(s), cudaErrorNotReady) << "the spin kernel ended too early";
   EXPECT_EQ(cache.store("a", tokens(5 * 128 + 1), ids(0, 6), s), 5);  // three chunks' worth
   EXPECT_EQ(cache.stats().store_skips_unpinned, 0);

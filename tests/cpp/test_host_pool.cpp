@@ -1,10 +1,16 @@
 #include <gtest/gtest.h>
+#include <sys/sysinfo.h>
 
+#include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <mutex>
+#include <string>
+#include <thread>
 
 #include "hicache/error.hpp"
+#include "hicache/host_memory.hpp"
 #include "hicache/host_pool.hpp"
 
 namespace {
@@ -108,6 +114,121 @@ TEST(HostPool, BackgroundModeAllocatesTheFirstChunkUpFrontAndTheRestInTheBackgro
   pool.wait_idle();
   EXPECT_NE(pool.slot(4), nullptr);
   EXPECT_EQ(pool.allocated_bytes(), 8192u);
+}
+
+TEST(HostPool, BackgroundModeStatusSaysWhetherItPinsWaitsOrStoppedAndWhy) {
+  auto alloc = std::make_shared<GatedAllocator>();
+  hicache::HostPool pool(1024, 8, 4096, alloc, hicache::HostPool::Growth::kBackground);
+  auto s = pool.status();
+  EXPECT_EQ(s.pinning, hicache::HostPool::Pinning::kPinning);  // chunk 1 held at the gate
+  EXPECT_EQ(s.allocated_bytes, 4096u);
+  EXPECT_EQ(s.total_bytes, 8192u);
+  {
+    std::lock_guard<std::mutex> g(alloc->mu);
+    alloc->fail_next = true;
+  }
+  alloc->release();
+  pool.wait_idle();
+  s = pool.status();
+  EXPECT_EQ(s.pinning, hicache::HostPool::Pinning::kStopped);
+  EXPECT_EQ(s.note, "planned pinning failure");
+  EXPECT_STREQ(hicache::HostPool::name(s.pinning), "stopped");
+  EXPECT_THROW(pool.slot(4), hicache::Error);
+  EXPECT_EQ(pool.slot(4), nullptr);  // asked for: allocated, and the sweep goes on
+  pool.wait_idle();
+  s = pool.status();
+  EXPECT_EQ(s.pinning, hicache::HostPool::Pinning::kWhole);
+  EXPECT_EQ(s.allocated_bytes, 8192u);
+  EXPECT_EQ(s.note, "planned pinning failure");  // the last failure stays on record
+
+  hicache::HostPool lazy(1024, 8, 4096, hicache::make_aligned_host_allocator());
+  EXPECT_EQ(lazy.status().pinning, hicache::HostPool::Pinning::kOnDemand);
+  lazy.slot(0);
+  lazy.slot(7);
+  EXPECT_EQ(lazy.status().pinning, hicache::HostPool::Pinning::kWhole);
+  // Capacities meaning "unbounded" do not overflow the pool's size.
+  hicache::HostPool huge(1 << 20, INT64_MAX, 1 << 30, hicache::make_aligned_host_allocator());
+  EXPECT_EQ(huge.status().total_bytes, SIZE_MAX);
+}
+
+namespace {
+
+// An allocator on a machine with no memory to spare: room_for is false until told otherwise.
+class NoRoomAllocator : public hicache::HostAllocator {
+ public:
+  void* allocate(std::size_t bytes) override { return inner->allocate(bytes); }
+  void deallocate(void* p, std::size_t n) noexcept override { inner->deallocate(p, n); }
+  const char* name() const override { return "no room"; }
+  bool allocation_is_slow() const override { return true; }
+  bool room_for(std::size_t) const override { return room; }
+  std::string memory_report() const override { return "0.5 GiB available of 8.0 GiB"; }
+  std::shared_ptr<hicache::HostAllocator> inner = hicache::make_aligned_host_allocator();
+  std::atomic<bool> room = false;
+};
+
+}  // namespace
+
+TEST(HostPool, ASweepWaitingForMemorySaysSoAndGoesOnOnceThereIsRoom) {
+  auto alloc = std::make_shared<NoRoomAllocator>();
+  hicache::HostPool pool(1024, 16, 4096, alloc, hicache::HostPool::Growth::kBackground);
+  pool.wait_idle();
+  auto s = pool.status();
+  EXPECT_EQ(s.pinning, hicache::HostPool::Pinning::kWaitingForMemory);
+  EXPECT_EQ(s.allocated_bytes, 4096u);
+  EXPECT_EQ(s.note, "too little host memory to pin ahead of need: 0.5 GiB available of 8.0 GiB");
+  alloc->room = true;
+  for (int i = 0; i < 5000 && pool.status().pinning != hicache::HostPool::Pinning::kWhole; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  s = pool.status();
+  EXPECT_EQ(s.pinning, hicache::HostPool::Pinning::kWhole);
+  EXPECT_EQ(s.allocated_bytes, 16384u);
+  EXPECT_EQ(s.note, "");
+}
+
+// --- reading the machine's memory
+// -----------------------------------------------------------------
+
+TEST(HostMemory, ParsesMeminfoLineByLineWhateverTheOtherLinesHold) {
+  // Lines without a unit (HugePages_*) before and after the two that count, as some kernels
+  // order them; the values are in KiB.
+  const std::string text =
+      "HugePages_Total:       0\n"
+      "MemTotal:       131961788 kB\n"
+      "MemFree:        128885952 kB\n"
+      "MemAvailable:   131300672 kB\n"
+      "HugePages_Free:        0\n"
+      "Hugepagesize:       2048 kB\n";
+  const auto m = hicache::parse_meminfo(text);
+  ASSERT_TRUE(m);
+  EXPECT_EQ(m->total, std::size_t{131961788} << 10);
+  EXPECT_EQ(m->available, std::size_t{131300672} << 10);
+  EXPECT_EQ(hicache::describe(*m), "125.2 GiB available of 125.8 GiB");
+  EXPECT_EQ(hicache::host_memory_reserve(*m), (std::size_t{131961788} << 10) / 32);
+}
+
+TEST(HostMemory, RefusesReadingsThatCannotBeTrue) {
+  using hicache::parse_meminfo;
+  EXPECT_FALSE(parse_meminfo(""));
+  EXPECT_FALSE(parse_meminfo("MemTotal: 1000 kB\n"));                       // no MemAvailable
+  EXPECT_FALSE(parse_meminfo("MemTotal: 0 kB\nMemAvailable: 0 kB\n"));      // zeros
+  EXPECT_FALSE(parse_meminfo("MemTotal: 100 kB\nMemAvailable: 200 kB\n"));  // more than all
+  EXPECT_FALSE(parse_meminfo("MemTotal: x kB\nMemAvailable: 10 kB\n"));     // not a number
+  EXPECT_FALSE(parse_meminfo("MemTotal: 100 MB\nMemAvailable: 10 MB\n"));   // another unit
+  EXPECT_FALSE(parse_meminfo("MemTotal: 99999999999999999999 kB\nMemAvailable: 1 kB\n"));
+  EXPECT_TRUE(parse_meminfo("MemTotal: 100 kB\nMemAvailable: 10 kB"));  // no final newline
+}
+
+TEST(HostMemory, ReadsThisMachinesMemoryAsTheKernelCountsIt) {
+  // The real reader against sysinfo(2), which counts the same pages: MemTotal is exact.
+  const auto m = hicache::read_host_memory();
+  ASSERT_TRUE(m) << "/proc/meminfo could not be read or parsed";
+  struct sysinfo si{};
+  ASSERT_EQ(sysinfo(&si), 0);
+  EXPECT_EQ(m->total, static_cast<std::size_t>(si.totalram) * si.mem_unit);
+  EXPECT_GT(m->available, 0u);
+  EXPECT_LE(m->available, m->total);
+  EXPECT_TRUE(hicache::make_aligned_host_allocator()->room_for(1)) << "a machine with no room?";
 }
 
 TEST(HostPool, BackgroundModeReportsAFailureOnceThenAllocatesWhenAskedAgain) {

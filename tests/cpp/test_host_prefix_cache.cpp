@@ -186,6 +186,7 @@ TEST(HostPrefixCache, StatesAreStoredAtTheLastBoundariesAndResumeSnapsToOne) {
   const auto prompt = tokens(5 * 16 + 7);
   cache.store("a", prompt, ids(0, 6), nullptr, exporter);
   EXPECT_EQ(asked, (std::vector<std::int64_t>{80, 64}));  // last two boundaries, latest first
+  cache.poll();                                           // counted once published
   EXPECT_EQ(cache.stats().states_stored, 2);
 
   std::vector<std::uint8_t> out(24, 0);
@@ -222,6 +223,7 @@ TEST(HostPrefixCache, StateExportReturningNothingSkipsThatBoundary) {
     return hicache::DeviceBuffer{staging.data(), staging.size(), {}};
   };
   cache.store("a", tokens(3 * 16 + 1), ids(0, 4), nullptr, exporter);
+  cache.poll();
   EXPECT_EQ(cache.stats().states_stored, 1);
 }
 
@@ -247,6 +249,7 @@ TEST(HostPrefixCache, AStateOfSeveralPartsComesBackPartByPart) {
     return as_state(staging);
   };
   cache.store("a", tokens(33), ids(0, 3), nullptr, exporter);
+  cache.poll();
   EXPECT_EQ(cache.stats().states_stored, 1);
   std::vector<std::vector<std::uint8_t>> out = {
       std::vector<std::uint8_t>(3), std::vector<std::uint8_t>(16), std::vector<std::uint8_t>(5)};
@@ -273,7 +276,10 @@ TEST(HostPrefixCache, AStateOfSeveralPartsComesBackPartByPart) {
   }
   staging[2].resize(4);
   EXPECT_THROW(cache.store("e", tokens(49), ids(0, 4), nullptr, exporter), std::invalid_argument);
+  cache.poll();
   EXPECT_EQ(cache.stats().states_stored, 1);  // the store that raised published nothing
+  EXPECT_EQ(cache.stats().pages_stored, 2);   // nor counted its page as stored
+  EXPECT_EQ(cache.stats().pages_discarded, 1);
 
   CacheConfig bad = small_config(8);
   bad.state_parts = {4, 0};
@@ -647,7 +653,8 @@ class SlowPinned : public hicache::HostAllocator {
       : delay_(delay) {}
   void* allocate(std::size_t bytes) override {
     std::this_thread::sleep_for(delay_);
-    ++calls;
+    if (++calls >= fail_from)
+      throw hicache::Error("cudaHostRegister failed: out of memory (planned)");
     return inner->allocate(bytes);
   }
   void deallocate(void* p, std::size_t n) noexcept override { inner->deallocate(p, n); }
@@ -657,6 +664,7 @@ class SlowPinned : public hicache::HostAllocator {
   std::shared_ptr<hicache::HostAllocator> inner = hicache::make_aligned_host_allocator();
   std::atomic<int> calls = 0;
   std::atomic<int> room_for_calls = 1 << 30;  // the "machine" has room for this many chunks
+  std::atomic<int> fail_from = 1 << 30;       // allocations from this call on fail
 
  private:
   std::chrono::milliseconds delay_;
@@ -727,7 +735,12 @@ TEST(HostPrefixCache, BackgroundPinningPausesWhileHostMemoryIsShortAndPinsWhatIs
   HostPrefixCache cache(eng.segments(), {}, c, std::make_shared<hicache::CpuCopier>(alloc));
   EXPECT_TRUE(eventually(cache, [](const auto& s) { return s.host_bytes == 4 * 256; }));
   std::this_thread::sleep_for(std::chrono::milliseconds(250));  // past a second look
-  EXPECT_EQ(cache.stats().host_bytes, 4 * 256);                 // paused there
+  EXPECT_EQ(cache.stats().host_bytes, 4 * 256);                 // paused there, and says so
+  EXPECT_EQ(cache.stats().host_bytes_capacity, 8 * 256);
+  EXPECT_EQ(cache.stats().pinning, "waiting for memory");
+  EXPECT_EQ(cache.stats().pinning_note.rfind("too little host memory to pin ahead of need: ", 0),
+            0u)
+      << cache.stats().pinning_note;
   // A store reaching past the pinned part asks for the next chunk, which then comes.
   EXPECT_EQ(cache.store("a", tokens(6 * 16 + 1), ids(0, 7)), 4);
   EXPECT_EQ(cache.stats().store_skips_unpinned, 1);
@@ -736,6 +749,29 @@ TEST(HostPrefixCache, BackgroundPinningPausesWhileHostMemoryIsShortAndPinsWhatIs
   // Memory comes back: the sweep resumes by itself and the pool becomes whole.
   alloc->room_for_calls = 1 << 30;
   EXPECT_TRUE(eventually(cache, [](const auto& s) { return s.host_bytes == 8 * 256; }));
+  EXPECT_EQ(cache.stats().pinning, "whole");
+  EXPECT_EQ(cache.stats().pinning_note, "");
+}
+
+TEST(HostPrefixCache, APinningFailureIsInTheStatsAndTheSweepResumesOnceMemoryComesBack) {
+  FakeEngine eng(16, {256});
+  CacheConfig c = small_config(8);
+  c.pool_chunk_bytes = 512;
+  auto alloc = std::make_shared<SlowPinned>();
+  alloc->fail_from = 2;  // the sweep's first chunk fails (the constructor's was call 1)
+  HostPrefixCache cache(eng.segments(), {}, c, std::make_shared<hicache::CpuCopier>(alloc));
+  EXPECT_TRUE(eventually(cache, [](const auto& s) { return s.pinning == "stopped"; }));
+  EXPECT_EQ(cache.stats().pinning_note, "cudaHostRegister failed: out of memory (planned)");
+  EXPECT_EQ(cache.stats().host_bytes, 2 * 256);
+  alloc->fail_from = 1 << 30;
+  // The failed chunk is reported by the store that reaches it (an error, counted), then asked
+  // for again; once that succeeds the sweep pins the rest by itself.
+  EXPECT_EQ(cache.store("a", tokens(3 * 16 + 1), ids(0, 4)), 2);
+  EXPECT_EQ(cache.stats().errors, 1);
+  EXPECT_EQ(cache.store("b", tokens(3 * 16 + 1), ids(0, 4)), 0);
+  EXPECT_EQ(cache.stats().store_skips_unpinned, 1);
+  EXPECT_TRUE(eventually(cache, [](const auto& s) { return s.pinning == "whole"; }));
+  EXPECT_EQ(cache.stats().host_bytes, 8 * 256);
 }
 
 // --- hostile input, round 2 ----------------------------------------------------------------------

@@ -171,7 +171,8 @@ def test_a_pool_of_several_chunks_is_pinned_within_seconds_and_stores_are_not_cu
         time.sleep(0.05)
     whole_at = time.perf_counter() - t0
     print(f"\npool of {full >> 20} MiB whole after {whole_at:.2f} s; (s, pinned MiB):", growth[::4])
-    assert cache.stats().host_bytes == full, growth
+    assert cache.stats().host_bytes == full, (growth, cache.stats().pinning, cache.stats().pinning_note)
+    assert (cache.stats().pinning, cache.stats().pinning_note) == ("whole", "")
     stored = []
     for round_ in range(8):
         prompt = torch.arange(80 * B + 1) + round_ * 10**6
@@ -182,6 +183,27 @@ def test_a_pool_of_several_chunks_is_pinned_within_seconds_and_stores_are_not_cu
         time.sleep(0.1)
     assert stored == [80] * 8, stored
     assert cache.stats().store_skips_unpinned == 0
+
+
+def test_a_store_that_outruns_the_pinning_is_cut_counted_and_the_pool_still_becomes_whole() -> None:
+    # Two chunks of 4 GiB of 1 MiB pages: the constructor pins the first, the sweep the second
+    # (~0.2 s at 20-30 GB/s); a store of more than the first, sent at once, reaches the second
+    # chunk within milliseconds, before it can be there, and is cut there, counted.
+    seg = torch.zeros(4097, 1 << 20, dtype=torch.uint8, device="cuda")
+    cache = hicache.HostPrefixCache(seg, block_tokens=B, capacity_pages=8192, pool_chunk_bytes=4 << 30)
+    prompt = torch.arange(4097 * B + 1)
+    assert cache.stats().host_bytes == 4 << 30
+    assert cache.store("w", prompt, list(range(4097))) == 4096
+    s = cache.stats()
+    assert (s.store_skips_unpinned, s.store_skips) == (1, 0)
+    deadline = time.perf_counter() + 10
+    while cache.stats().pinning != "whole" and time.perf_counter() < deadline:
+        time.sleep(0.05)
+    s = cache.stats()
+    assert (s.pinning, s.host_bytes, s.host_bytes_capacity) == ("whole", 8 << 30, 8 << 30), s.pinning_note
+    torch.cuda.synchronize()
+    cache.poll()
+    assert cache.stats().pages_stored == 4096
 
 
 @pytest.mark.parametrize("wait_ms", [1000.0, 0.0], ids=["wait", "prefetch"])

@@ -161,6 +161,8 @@ def test_a_store_that_raises_publishes_nothing(how) -> None:
     cache.poll()
     s = cache.stats()
     assert (s.pages_used, s.states_used, s.pages_busy, s.transfers_in_flight) == (0, 0, 0, 0)
+    # Counters count what happened: its three pages were copied and thrown away, never stored.
+    assert (s.pages_stored, s.states_stored, s.pages_discarded) == (0, 0, 3)
     out = torch.zeros(16, dtype=torch.uint8)
     assert cache.try_resume("b", prompt, lambda n: [3, 4, 5][: n // B], state_out=out) == 0
 

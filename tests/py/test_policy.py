@@ -115,6 +115,8 @@ def test_stats_report_every_deepinfer_counter_and_rates() -> None:
     cache.try_resume("b", p, lambda n: [4, 5])
     cache.try_resume("c", p + 1000, lambda n: [4, 5])
     cache.store("d", p + 1000, [2, 3])
+    assert cache.stats().pages_stored == 2  # a store counts once its copy is retired...
+    cache.poll()  # ...as stored when published (or as discarded)
     s = cache.stats()
     assert (s.lookups, s.hits, s.hit_tokens, s.deferred) == (2, 1, 2 * B, 0)
     assert (s.stores, s.store_skips, s.pages_stored, s.pages_loaded, s.pages_evicted) == (2, 0, 4, 2, 2)

@@ -48,8 +48,10 @@ class RecordingManager(HicacheManager):
 class RecordingWorker(HicacheWorker):
     corrupt = False
 
-    def __init__(self, kv_caches: CanonicalKVCaches, num_slots: int, shared_memory: str | None) -> None:
-        super().__init__(kv_caches, num_slots, shared_memory)
+    def __init__(
+        self, kv_caches: CanonicalKVCaches, num_slots: int, shared_memory: str | None, *args: object
+    ) -> None:
+        super().__init__(kv_caches, num_slots, shared_memory, *args)  # type: ignore[arg-type]
         self.pending: dict[int, tuple[bool, list[int], list[int]]] = {}
 
     def _page(self, block: int) -> bytes:

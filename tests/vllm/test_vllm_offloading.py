@@ -13,6 +13,7 @@ import json
 import os
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 
 import pytest
@@ -49,9 +50,10 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
-def run(model_dir: Path, mode: str, corrupt: bool = False, tp: int = 1) -> dict:
+def run(model_dir: Path, mode: str, corrupt: bool = False, tp: int = 1, engine_id: str = "") -> dict:
     env = {
         **os.environ,
+        "HICACHE_TEST_ENGINE_ID": engine_id,
         "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # the scheduler in this process: its counters readable
         "VLLM_CPU_KVCACHE_SPACE": "1",
         "VLLM_CPU_OMP_THREADS_BIND": "|".join(str(i % (os.cpu_count() or 1)) for i in range(tp)),
@@ -102,10 +104,19 @@ def test_two_tensor_parallel_workers_with_shared_memory_slots(model_dir: Path, p
     # hicache's spec as shipped, with shared_memory: vLLM's two CPU workers (TP=2) each copy their
     # half of every block between their KV shard and their slots in /dev/shm, while the one
     # scheduler-side catalog names the slots for both.
+    # A second engine given the same engine_id on this host, started while the first serves, is
+    # refused at start-up with the reason, and the first serves on, outputs unchanged (the two
+    # used to map the same regions, and the first then served another engine's KV).
+    engine_id = f"vtest-{uuid.uuid4().hex[:12]}"  # regions of concurrent runs never collide
     plain2 = run(model_dir, "plain", tp=2)
-    h = run(model_dir, "hicache-shared", tp=2)
+    h = run(model_dir, "hicache-shared-contested", tp=2, engine_id=engine_id)
     assert plain2["outputs"] == plain["outputs"]  # TP=2 changes nothing without hicache either
     assert h["outputs"] == plain2["outputs"]
     cat = h["catalog"]
     assert cat["blocks_loaded"] == 30 and cat["blocks_stored"] >= 15, cat
-    assert not [f for f in os.listdir("/dev/shm") if f.startswith("hicache-")], "regions left behind"
+    rival = h["rival"]
+    assert rival["returncode"] != 0 and rival["refusal"], rival
+    assert f"shared memory 'hicache-{engine_id}-" in rival["refusal"], rival
+    print(f"\nthe second engine with engine_id {engine_id}: {rival['refusal'][-300:]}")
+    left = [f for f in os.listdir("/dev/shm") if f.startswith(f"hicache-{engine_id}")]
+    assert not left, f"regions left behind: {left}"

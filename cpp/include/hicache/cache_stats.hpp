@@ -54,11 +54,15 @@ struct CacheStats {
   std::int64_t pages_declined = 0;
   /// whether the admission policy declines first sightings now (CacheConfig::admission)
   bool admitting_second_sightings_only = false;
-  // transfers
+  // transfers. A store's pages and states count once its copy completed (retired by a poll or
+  // a later call): as stored if they were published, as discarded if not (the request was
+  // forgotten first, the store raised, or the device failed the copy).
   std::int64_t pages_stored = 0;
+  std::int64_t pages_discarded = 0;
   std::int64_t pages_loaded = 0;
   std::int64_t pages_evicted = 0;
   std::int64_t states_stored = 0;
+  std::int64_t states_discarded = 0;
   std::int64_t states_loaded = 0;
   std::int64_t states_evicted = 0;
   std::int64_t transfers_in_flight = 0;
@@ -69,9 +73,17 @@ struct CacheStats {
   std::int64_t states_used = 0;
   std::int64_t states_capacity = 0;
   std::int64_t states_busy = 0;
-  std::int64_t host_bytes = 0;  ///< host memory allocated (pinned, for a GPU cache) so far
-  std::int64_t requests = 0;    ///< requests known (seen and not forgotten)
-  std::int64_t salts = 0;       ///< salts interned: those some cached page uses, and a few more
+  std::int64_t host_bytes = 0;           ///< host memory allocated (pinned, for a GPU cache) so far
+  std::int64_t host_bytes_capacity = 0;  ///< what the pools hold once whole
+  /// What the pools' memory is doing (HostPool::name(Pinning)): "on demand" (CPU pools),
+  /// "whole", "pinning" (the background thread pins the rest), "waiting for memory" (paused:
+  /// too little host memory left) or "stopped" (paused after a failed allocation); the least
+  /// advanced of the page and state pools.
+  std::string pinning;
+  /// Why pinning waits or stopped, or the last failed allocation; empty if neither.
+  std::string pinning_note;
+  std::int64_t requests = 0;  ///< requests known (seen and not forgotten)
+  std::int64_t salts = 0;     ///< salts interned: those some cached page uses, and a few more
   /// From the call that enqueued a transfer to the poll (or later call) that found it complete,
   /// so they include how often the engine polls; discarded stores are not counted.
   LatencyHistogram load_latency;

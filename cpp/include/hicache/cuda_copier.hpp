@@ -57,7 +57,7 @@ bool cuda_available();
 ///         option is out of range (CudaCopierOptions::validate).
 std::shared_ptr<Copier> make_cuda_copier(int device, CudaCopierOptions options = {});
 
-/// Memory from `inner` (e.g. make_shared_memory_allocator) registered with CUDA
+/// Memory from `inner` (e.g. make_shared_region_allocator) registered with CUDA
 /// (cudaHostRegister, portable and mapped) so the CUDA copier can DMA from it and address it.
 /// @throws std::invalid_argument in a build without CUDA.
 std::shared_ptr<HostAllocator> make_cuda_registered_allocator(std::shared_ptr<HostAllocator> inner);

@@ -14,10 +14,11 @@
 //    pool is whole, so a pool is all there within seconds of start-up instead of growing one
 //    chunk per burst of stores. It pauses while the allocator reports too little host memory
 //    left (HostAllocator::room_for), looking again every 200 ms, and stops after a failed
-//    allocation; a chunk whose slot is asked for is allocated meanwhile all the same. slot() never
-//    blocks: it returns nullptr while its chunk is not there yet, and the cache skips that store
-//    (counted). Pinning does not wait for the GPU (measured on an H200: 48 ms for 256 MiB while a
-//    100 ms kernel ran, 51 ms idle).
+//    allocation until an allocation succeeds again; a chunk whose slot is asked for is allocated
+//    meanwhile all the same. slot() never blocks: it returns nullptr while its chunk is not there
+//    yet, and the cache skips that store (counted). status() says which of these the pool is
+//    doing, and why it waits or stopped. Pinning does not wait for the GPU (measured on an
+//    H200: 48 ms for 256 MiB while a 100 ms kernel ran, 51 ms idle).
 //  - kUpFront: every chunk is allocated by the constructor (predictable, nothing left to pin).
 
 #include <condition_variable>
@@ -48,6 +49,9 @@ class HostAllocator {
   /// Default: at least max(1 GiB, 1/32 of the RAM) would stay available after it (Linux
   /// /proc/meminfo; true where that cannot be read).
   virtual bool room_for(std::size_t bytes) const;
+  /// What room_for knows of the machine's memory, one line, for a pool's status while it waits
+  /// ("12.3 GiB available of 125.8 GiB, 3.9 GiB kept free").
+  virtual std::string memory_report() const;
 };
 
 /// Page-aligned memory from the C++ runtime.
@@ -57,6 +61,24 @@ class HostPool {
  public:
   static constexpr std::size_t kSlotAlign = 256;
   enum class Growth { kOnDemand, kBackground, kUpFront };
+
+  /// What a pool's memory is doing.
+  enum class Pinning {
+    kOnDemand,          ///< allocated chunk by chunk as slots are first used (fast allocators)
+    kWhole,             ///< every chunk is allocated
+    kPinning,           ///< the background thread allocates the rest, chunk after chunk
+    kWaitingForMemory,  ///< paused: too little host memory left (HostAllocator::room_for)
+    kStopped,           ///< paused after a failed allocation, until one succeeds again
+  };
+  static const char* name(Pinning p);
+  struct Status {
+    std::size_t allocated_bytes = 0;
+    std::size_t total_bytes = 0;  ///< the whole pool
+    Pinning pinning = Pinning::kOnDemand;
+    /// Why it waits, or the last failed allocation (it may have succeeded when asked again);
+    /// empty if neither.
+    std::string note;
+  };
   /// Memory that is fast to allocate grows on demand; slow (pinned) memory is allocated in the
   /// background from construction on, or all of it up front.
   static Growth growth_for(const HostAllocator& memory, bool in_background) {
@@ -88,6 +110,10 @@ class HostPool {
   std::size_t slot_stride() const { return slot_stride_; }
   std::int64_t num_slots() const { return num_slots_; }
   std::size_t allocated_bytes() const;
+  /// The pool's bytes once whole.
+  std::size_t total_bytes() const;
+  /// A snapshot of what the pool's memory is doing. Takes the pool's lock; reads no file.
+  Status status() const;
   const HostAllocator& allocator() const { return *allocator_; }
 
  private:
@@ -121,6 +147,8 @@ class HostPool {
   std::size_t sweep_next_ = 1;      // kBackground: next chunk the sweep pins
   bool sweep_stopped_ = false;      // kBackground: an allocation failed: pin only when asked
   bool sweep_waiting_ = false;      // kBackground: too little host memory now; look again soon
+  std::string waiting_note_;        // why it waits (the allocator's memory report)
+  std::string last_failure_;        // the last failed allocation's error
   bool stopping_ = false;
   bool busy_ = false;
   std::thread thread_;

@@ -3,8 +3,8 @@
 // slots named by the caller (a BlockCatalog's slots), as jobs that complete asynchronously.
 //
 // Each engine process (each tensor-parallel rank, each vLLM worker) makes one over its own KV
-// segments. The slots' memory is its own pool, or one that several processes map (see
-// make_shared_memory_allocator): then a slot written by one process is read by any other.
+// segments. The slots' memory is its own pool, or a shared region that several processes map
+// (shared_region.hpp): then a slot written by one process is read by any other.
 
 #include <cstdint>
 #include <functional>
@@ -20,14 +20,6 @@
 #include "hicache/page_layout.hpp"
 
 namespace hicache {
-
-/// Host memory in a file under /dev/shm that every process naming it maps (MAP_SHARED). The
-/// pool's whole size is mapped by its first allocation (pass chunk_bytes >= the pool's size to
-/// HostPool); pages are not touched until used. `create`: make (or resize) the file, else open
-/// an existing one of exactly the size asked for. The file is removed when the allocator that
-/// created it is destroyed.
-/// @throws std::invalid_argument for a bad name (empty, with '/', or longer than 200 bytes).
-std::shared_ptr<HostAllocator> make_shared_memory_allocator(const std::string& name, bool create);
 
 class SlotMover {
  public:
