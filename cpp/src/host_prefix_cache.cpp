@@ -1,6 +1,7 @@
 #include "hicache/host_prefix_cache.hpp"
 
 #include <algorithm>
+#include <cstdint>
 #include <cstdio>
 #include <cstring>
 #include <stdexcept>
