@@ -10,8 +10,8 @@
 #include <atomic>
 #include <cerrno>
 #include <charconv>
-#include <cstdint>
 #include <chrono>
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
