@@ -54,8 +54,13 @@ class HostPrefixCache {
   /// @param tier a store shared with other caches (see tier.hpp; CacheConfig::tier says how it
   ///        is used): pages this cache stores are written to it, and a host miss fetches the
   ///        rest of the prefix from it. Pages only: a cache with states does not fetch.
+  /// @note CUDA segments: the first cache of a process loads hicache's kernels, and with CUDA's
+  ///       lazy module loading (the default) that waits until work already running on the
+  ///       device ends (a cache built beside a 2 s kernel took 2.02 s on an H200). Build it
+  ///       before the engine's first long kernels, or accept that wait once.
   /// @throws std::invalid_argument for a bad layout or config, or segments the copier cannot
-  ///         reach. Allocates no host memory: pools are allocated at the first store.
+  ///         reach. Pinned pools (CUDA) pin their first chunk here and the rest in the
+  ///         background (CacheConfig::pin_upfront); CPU pools allocate at first use.
   HostPrefixCache(std::vector<Segment> segments, Device device, CacheConfig config,
                   std::shared_ptr<Copier> copier = nullptr, std::shared_ptr<Tier> tier = nullptr);
   /// Waits for transfers still in flight, then frees the host pools.
