@@ -795,6 +795,8 @@ NB_MODULE(_core, m) {
                    [](const hicache::CacheStats& s) { return histogram_dict(s.store_latency); })
       .def_ro("tier_pages_written", &hicache::CacheStats::tier_pages_written)
       .def_ro("tier_pages_dropped", &hicache::CacheStats::tier_pages_dropped)
+      .def_ro("tier_pages_failed", &hicache::CacheStats::tier_pages_failed)
+      .def_ro("tier_pages_queued", &hicache::CacheStats::tier_pages_queued)
       .def_ro("tier_pages_fetched", &hicache::CacheStats::tier_pages_fetched)
       .def_ro("tier_hit_tokens", &hicache::CacheStats::tier_hit_tokens)
       .def_ro("tier_pages_missing", &hicache::CacheStats::tier_pages_missing)
@@ -872,8 +874,19 @@ NB_MODULE(_core, m) {
           "stats", [](const PyCache& self) { return self.cache->stats(); },
           nb::call_guard<nb::gil_scoped_release>())
       .def(
-          "flush_tier", [](PyCache& self) { self.cache->flush_tier(); },
-          nb::call_guard<nb::gil_scoped_release>())
+          "flush_tier",
+          [](PyCache& self, std::optional<double> timeout_s) {
+            auto timeout = std::chrono::milliseconds::max();
+            if (timeout_s) {
+              if (!(*timeout_s >= 0) || *timeout_s > 1e9) {
+                throw std::invalid_argument(
+                    "flush_tier: timeout_s must be a number of seconds >= 0");
+              }
+              timeout = std::chrono::milliseconds(static_cast<std::int64_t>(*timeout_s * 1000));
+            }
+            return self.cache->flush_tier(timeout);
+          },
+          "timeout_s"_a.none() = nb::none(), nb::call_guard<nb::gil_scoped_release>())
       .def(
           "tier_name",
           [](const PyCache& self, nb::bytes key) {

@@ -6,6 +6,7 @@
 #include <cstring>
 #include <stdexcept>
 #include <string>
+#include <thread>
 
 #include "chain_hasher.hpp"
 #include "hicache/chain_walk.hpp"
@@ -914,9 +915,36 @@ std::string HostPrefixCache::tier_name(const Key& page_key) const {
   return link_ ? tier_value_name(tier_space_, page_key) : std::string();
 }
 
-void HostPrefixCache::flush_tier() {
+bool HostPrefixCache::flush_tier(std::chrono::milliseconds timeout) {
+  using Clock = std::chrono::steady_clock;
+  const auto now = Clock::now();
+  const auto deadline = timeout >= std::chrono::duration_cast<std::chrono::milliseconds>(
+                                       Clock::time_point::max() - now)
+                            ? Clock::time_point::max()
+                            : now + timeout;
+  // Stores still copying first: their pages reach the tier's queue once retired. Their fences
+  // are polled, not waited on, so that the deadline holds.
+  std::vector<std::shared_ptr<Fence>> copying;
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    for (const Transfer& t : transfers_) {
+      if (t.is_store && !t.discard && t.fence) copying.push_back(t.fence);
+    }
+  }
+  for (const auto& f : copying) {
+    for (;;) {
+      bool done = true;
+      try {
+        done = f->done();
+      } catch (const Error&) {  // a failed copy: retire_completed counts it
+      }
+      if (done) break;
+      if (Clock::now() >= deadline) return false;
+      std::this_thread::sleep_for(std::chrono::microseconds(200));
+    }
+  }
   poll();  // completed stores queue their pages
-  if (link_) link_->drain();
+  return link_ ? link_->drain(deadline) : true;
 }
 
 std::vector<Key> HostPrefixCache::page_lru_order() const {

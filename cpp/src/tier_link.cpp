@@ -20,6 +20,14 @@ constexpr auto kPrefetchDeadline = std::chrono::seconds(10);
 // 58).
 constexpr std::size_t kRing = 2;
 
+std::string one_line(std::string_view what) {
+  // A Python backend's exception arrives with its traceback ("...\n\nAt:\n  file(line)..."):
+  // stats keep its first line, and not much of it.
+  std::string line(what.substr(0, what.find('\n')));
+  if (line.size() > 300) line = line.substr(0, 297) + "...";
+  return line;
+}
+
 }  // namespace
 
 namespace {
@@ -114,7 +122,7 @@ TierLink::~TierLink() {
 void TierLink::note_error(const std::string& what) {
   std::lock_guard<std::mutex> g(mu_);
   ++counters_.tier_errors;
-  counters_.tier_last_error = what;
+  counters_.tier_last_error = one_line(what);
 }
 
 bool TierLink::offer(std::vector<PutPage>& pages) {
@@ -126,6 +134,7 @@ bool TierLink::offer(std::vector<PutPage>& pages) {
       return false;
     }
     queued_pages_ += n;
+    counters_.tier_pages_queued += n;
     jobs_.push_back({std::move(pages), std::nullopt});
   }
   wake_.notify_one();
@@ -144,9 +153,9 @@ bool TierLink::prefetch(FetchJob job) {
   return true;
 }
 
-void TierLink::drain() {
+bool TierLink::drain(Clock::time_point deadline) {
   std::unique_lock<std::mutex> g(mu_);
-  idle_.wait(g, [&] { return jobs_.empty() && !busy_; });
+  return idle_.wait_until(g, deadline, [&] { return jobs_.empty() && !busy_; });
 }
 
 void TierLink::run() {
@@ -183,24 +192,25 @@ void TierLink::write(std::vector<PutPage>& pages) {
   std::deque<Round> flying;
   auto land = [&](Round& r) {
     const auto n = static_cast<std::int64_t>(r.entries.size());
-    std::int64_t ok = 0, failed = n;
+    std::int64_t ok = 0;
+    bool threw = false;
     try {
-      if (r.batch >= 0) {
-        if (auto results = wait(r.batch, Clock::time_point::max())) {
-          failed = 0;
-          for (std::int64_t x : *results) (x >= 0 ? ok : failed) += 1;
-        }
+      if (auto results = wait(r.batch, Clock::time_point::max())) {
+        for (std::int64_t x : *results) ok += x >= 0 ? 1 : 0;
       }
     } catch (const std::exception& e) {
       note_error(std::string("tier put: ") + e.what());
-      failed = 0;  // counted as the error it is
+      threw = true;
     }
     host_.release(r.entries);
     std::lock_guard<std::mutex> g(mu_);
+    // Every page queued ends written or failed (or dropped, before it was queued).
     counters_.tier_pages_written += ok;
-    if (failed) {
+    counters_.tier_pages_failed += n - ok;
+    counters_.tier_pages_queued -= n;
+    if (ok < n && !threw) {
       ++counters_.tier_errors;
-      counters_.tier_last_error = "tier put: " + std::to_string(failed) + " pages refused";
+      counters_.tier_last_error = "tier put: " + std::to_string(n - ok) + " pages refused";
     }
   };
   const Rounds plan = rounds(pages.size());
@@ -228,6 +238,9 @@ void TierLink::write(std::vector<PutPage>& pages) {
     } catch (const std::exception& e) {
       note_error(std::string("tier put: ") + e.what());
       host_.release(round.entries);
+      std::lock_guard<std::mutex> g(mu_);
+      counters_.tier_pages_failed += static_cast<std::int64_t>(n);
+      counters_.tier_pages_queued -= static_cast<std::int64_t>(n);
       continue;
     }
     flying.push_back(std::move(round));
@@ -374,7 +387,7 @@ bool TierLink::land_round(const FetchSpec& spec, Round& round, Clock::time_point
         break;
       case kRejected:
         ++counters_.tier_pages_rejected;
-        counters_.tier_last_error = "tier value rejected: " + why[good];
+        counters_.tier_last_error = one_line("tier value rejected: " + why[good]);
         break;
       default:
         ++counters_.tier_errors;
@@ -447,7 +460,7 @@ bool TierLink::settle() {
 void TierLink::note_rejected(const std::string& why) {
   std::lock_guard<std::mutex> g(mu_);
   ++counters_.tier_pages_rejected;
-  counters_.tier_last_error = "tier value rejected: " + why;
+  counters_.tier_last_error = one_line("tier value rejected: " + why);
 }
 
 void TierLink::add_stats(CacheStats& s) const {
@@ -461,11 +474,14 @@ void TierLink::add_stats(CacheStats& s) const {
   std::lock_guard<std::mutex> g(mu_);
   s.tier_pages_written = counters_.tier_pages_written;
   s.tier_pages_dropped = counters_.tier_pages_dropped;
+  s.tier_pages_failed = counters_.tier_pages_failed;
+  s.tier_pages_queued = counters_.tier_pages_queued;
   s.tier_pages_missing = counters_.tier_pages_missing;
   s.tier_pages_rejected = counters_.tier_pages_rejected;
   s.tier_fetches_late = counters_.tier_fetches_late;
   s.tier_errors = counters_.tier_errors + memory_errors;
-  s.tier_last_error = counters_.tier_last_error.empty() ? memory_error : counters_.tier_last_error;
+  s.tier_last_error =
+      one_line(counters_.tier_last_error.empty() ? memory_error : counters_.tier_last_error);
 }
 
 }  // namespace hicache

@@ -128,8 +128,9 @@ class TierLink {
   /// Fetches in the background (fetch_into, off the caller's thread). false if the queue is
   /// full.
   bool prefetch(FetchJob job);
-  /// Waits until the queue is empty and nothing is in flight (tests, shutdown).
-  void drain();
+  /// Waits until the queue is empty and nothing is in flight, or `deadline` passed (then
+  /// false).
+  bool drain(Clock::time_point deadline = Clock::time_point::max());
 
   /// A fetched page whose bytes did not match their checksum when first loaded (a miss there).
   void note_rejected(const std::string& why);

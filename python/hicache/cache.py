@@ -408,9 +408,26 @@ class HostPrefixCache:
         self._check_segments()
         return self._core.store(rid, toks, blocks, handle, export, chain_salt)
 
-    def flush_tier(self) -> None:
-        """Wait until every page queued for the tier was written (tests; shutdown does it)."""
-        self._core.flush_tier()
+    def flush_tier(self, timeout_s: float | None = None) -> None:
+        """Wait until every page stored before this call has reached its end in the tier:
+        written, failed or dropped (``stats().tier_pages_written`` / ``_failed`` /
+        ``_dropped``). Stores whose copies are still running are waited for first. Without a
+        tier it only retires completed transfers, as :meth:`poll`. Shutdown does the same.
+
+        Raises:
+            TimeoutError: ``timeout_s`` seconds passed first; the message says how many pages
+                were still on their way (``stats().tier_pages_queued``).
+        """
+        if timeout_s is not None and (
+            isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not 0 <= timeout_s <= 1e9
+        ):
+            raise ValueError(f"timeout_s must be a number of seconds >= 0 or None, not {timeout_s!r}")
+        if not self._core.flush_tier(timeout_s):
+            s = self._core.stats()
+            raise TimeoutError(
+                f"flush_tier: {s.tier_pages_queued} pages not yet written to the tier after {timeout_s} s "
+                f"(written {s.tier_pages_written}, failed {s.tier_pages_failed}, dropped {s.tier_pages_dropped})"
+            )
 
     def tier_name(self, key: bytes) -> str:
         """The name of a page's value in the tier (a key from :func:`hicache.chain_keys`); ""

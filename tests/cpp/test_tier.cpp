@@ -221,6 +221,50 @@ TEST(Tier, ATierThatFailsCostsMissesAndErrorsButNeverTheCache) {
   EXPECT_EQ(c.resume("c", prompt, 8), 5 * kB);
 }
 
+TEST(Tier, EveryPageOfferedEndsWrittenFailedOrDroppedAndFlushSaysWhenItIsDone) {
+  // The tier down while a store's pages are written: flush_tier returns once each is accounted
+  // for, as failed, not before (it used to return with pages neither written nor counted).
+  auto tier = std::make_shared<MemoryTier>();
+  Host a(tier);
+  const auto prompt = tokens(5 * kB + 3, 100);
+  a.prefill(prompt, 0);
+  tier->fail_next(1000);
+  EXPECT_EQ(a.cache->store("a", prompt, ids(0, 6)), 5);
+  EXPECT_TRUE(a.cache->flush_tier());
+  auto s = a.cache->stats();
+  EXPECT_EQ(s.tier_pages_failed, 5);
+  EXPECT_EQ(s.tier_pages_written + s.tier_pages_failed + s.tier_pages_dropped, 5);
+  EXPECT_EQ(s.tier_pages_queued, 0);
+  EXPECT_EQ(s.tier_last_error, "tier put: 5 pages refused");
+  tier->fail_next(0);
+  const auto other = tokens(5 * kB + 3, 900);
+  a.prefill(other, 0);
+  EXPECT_EQ(a.cache->store("b", other, ids(0, 6)), 5);
+  EXPECT_TRUE(a.cache->flush_tier(std::chrono::milliseconds(10000)));
+  s = a.cache->stats();
+  EXPECT_EQ(s.tier_pages_written, 5);
+  EXPECT_EQ(s.tier_pages_written + s.tier_pages_failed + s.tier_pages_dropped, 10);
+}
+
+TEST(Tier, ABackendsErrorIsOneLineInTheStats) {
+  // A Python backend's exception text carries its traceback; the stats keep the first line.
+  class Throwing final : public ForwardingTier {
+   public:
+    std::int64_t put(std::span<const std::string>, std::span<const std::byte* const>,
+                     std::span<const std::size_t>) override {
+      throw std::runtime_error("RuntimeError: the store is gone\n\nAt:\n  mooncake.py(120): put\n");
+    }
+  };
+  Host a(std::make_shared<Throwing>());
+  const auto prompt = tokens(2 * kB + 1, 100);
+  a.prefill(prompt, 0);
+  a.cache->store("a", prompt, ids(0, 3));
+  EXPECT_TRUE(a.cache->flush_tier());
+  const auto s = a.cache->stats();
+  EXPECT_EQ(s.tier_last_error, "tier put: RuntimeError: the store is gone");
+  EXPECT_EQ(s.tier_pages_failed, 2);
+}
+
 TEST(Tier, AFullWriteQueueDropsPagesAndCountsThem) {
   auto tier = std::make_shared<MemoryTier>();
   hicache::TierOptions small;
@@ -935,4 +979,20 @@ TEST(Tier, CachesSharingABackendNeverCallItTwiceAtOnce) {
       EXPECT_GT(tier->most, 1);
     }
   }
+}
+
+TEST(Tier, FlushTierGivesUpAtItsTimeoutAndSaysHowManyPagesAreStillOnTheirWay) {
+  using namespace std::chrono_literals;
+  auto slow = std::make_shared<SlowTier>(2s, /*blocks=*/true);
+  Host a(slow);
+  const auto prompt = tokens(5 * kB + 3, 100);
+  a.prefill(prompt, 0);
+  EXPECT_EQ(a.cache->store("a", prompt, ids(0, 6)), 5);
+  const auto t0 = std::chrono::steady_clock::now();
+  EXPECT_FALSE(a.cache->flush_tier(100ms));
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, 1500ms);
+  EXPECT_EQ(a.cache->stats().tier_pages_queued, 5);
+  EXPECT_TRUE(a.cache->flush_tier());  // and, waited for, they are written
+  EXPECT_EQ(a.cache->stats().tier_pages_written, 5);
+  EXPECT_EQ(a.cache->stats().tier_pages_queued, 0);
 }

@@ -89,8 +89,11 @@ struct CacheStats {
   LatencyHistogram load_latency;
   LatencyHistogram store_latency;
   // shared tier (a Tier given to the cache; all zero without one)
+  // Every page a store offers the tier ends written, failed or dropped; queued until then.
   std::int64_t tier_pages_written = 0;  ///< pages the tier confirmed
+  std::int64_t tier_pages_failed = 0;   ///< pages whose write the tier refused or failed
   std::int64_t tier_pages_dropped = 0;  ///< not written: the write queue was full
+  std::int64_t tier_pages_queued = 0;   ///< offered, not yet written or failed (a gauge)
   std::int64_t tier_pages_fetched = 0;  ///< pages fetched, checked and put in host memory
   std::int64_t tier_hit_tokens = 0;     ///< tokens served that came from the tier
   std::int64_t tier_pages_missing = 0;  ///< pages asked for that the tier did not have

@@ -127,8 +127,13 @@ class HostPrefixCache {
 
   /// Tests: keys of cached pages, least recently used first.
   std::vector<Key> page_lru_order() const;
-  /// Waits until every page queued for the tier was written (tests; shutdown does it too).
-  void flush_tier();
+  /// Waits until every page stored before the call has reached its end in the tier: written,
+  /// failed or dropped (CacheStats::tier_pages_*). Stores whose copies are still running are
+  /// waited for first (then retired, as by poll()). Without a tier it only retires.
+  /// @note Blocks the caller; shutdown does the same without a timeout.
+  /// @return false if `timeout` passed first (CacheStats::tier_pages_queued says how many
+  ///         pages were still on their way).
+  bool flush_tier(std::chrono::milliseconds timeout = std::chrono::milliseconds::max());
   /// The name a page's value has in the tier (operators, tests); empty without a tier.
   std::string tier_name(const Key& page_key) const;
 
