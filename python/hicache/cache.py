@@ -418,15 +418,15 @@ class HostPrefixCache:
             TimeoutError: ``timeout_s`` seconds passed first; the message says how many pages
                 were still on their way (``stats().tier_pages_queued``).
         """
-        if timeout_s is not None and (
-            isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not 0 <= timeout_s <= 1e9
-        ):
+        number = isinstance(timeout_s, (int, float)) and not isinstance(timeout_s, bool)
+        if timeout_s is not None and not (number and 0 <= timeout_s <= 1e9):
             raise ValueError(f"timeout_s must be a number of seconds >= 0 or None, not {timeout_s!r}")
         if not self._core.flush_tier(timeout_s):
             s = self._core.stats()
             raise TimeoutError(
-                f"flush_tier: {s.tier_pages_queued} pages not yet written to the tier after {timeout_s} s "
-                f"(written {s.tier_pages_written}, failed {s.tier_pages_failed}, dropped {s.tier_pages_dropped})"
+                f"flush_tier: {s.tier_pages_queued} pages not yet written to the tier after "
+                f"{timeout_s} s (written {s.tier_pages_written}, failed {s.tier_pages_failed}, "
+                f"dropped {s.tier_pages_dropped})"
             )
 
     def tier_name(self, key: bytes) -> str:
