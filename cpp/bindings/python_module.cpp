@@ -496,7 +496,8 @@ NB_MODULE(_core, m) {
       [](U64s block_ids, U32s sub_pages, BlockIds offsets, BlockIds hit_limit,
          nb::ndarray<const std::int32_t, nb::ndim<1>, nb::c_contig, nb::device::cpu> instance_of,
          std::int32_t instances, std::int64_t host_capacity_pages, std::int64_t tier_capacity_pages,
-         const std::string& eviction, const std::string& admission, const std::string& write) {
+         const std::string& eviction, const std::string& admission, const std::string& write,
+         const std::string& tier_model) {
         const auto ev = parse_eviction(eviction);
         const auto ad = hicache::parse_admission(admission);
         if (write != "through" && write != "back") {
@@ -504,19 +505,25 @@ NB_MODULE(_core, m) {
                                       "'");
         }
         const auto tw = write == "back" ? hicache::TierWrite::kBack : hicache::TierWrite::kThrough;
+        if (tier_model != "lru" && tier_model != "disk") {
+          throw std::invalid_argument("tier model must be 'lru' or 'disk', not '" + tier_model +
+                                      "'");
+        }
+        const auto kind =
+            tier_model == "disk" ? hicache::TierModelKind::kDisk : hicache::TierModelKind::kLru;
         hicache::ReplayResult r;
         {
           nb::gil_scoped_release release;
           r = hicache::replay_shared(replay_trace(block_ids, sub_pages, offsets, hit_limit),
                                      {instance_of.data(), instance_of.shape(0)}, instances,
-                                     host_capacity_pages, tier_capacity_pages, ev, ad, tw);
+                                     host_capacity_pages, tier_capacity_pages, ev, ad, tw, kind);
         }
         return replay_dict(r);
       },
       "block_ids"_a.noconvert(), "sub_pages"_a.noconvert(), "offsets"_a.noconvert(),
       "hit_limit"_a.noconvert(), "instance_of"_a.noconvert(), "instances"_a,
       "host_capacity_pages"_a, "tier_capacity_pages"_a, "eviction"_a, "admission"_a,
-      "write"_a = "through",
+      "write"_a = "through", "tier_model"_a = "lru",
       "Several instances with private host pools over one shared tier (see trace_replay.hpp).");
   m.def(
       "replay_optimum",
@@ -699,6 +706,34 @@ NB_MODULE(_core, m) {
       .def(nb::init<>())
       .def("name", &hicache::Tier::name)
       .def(
+          "put",
+          [](hicache::Tier& t, std::vector<std::string> names, std::vector<std::uintptr_t> values,
+             std::vector<std::size_t> sizes) {
+            if (names.size() != values.size() || names.size() != sizes.size()) {
+              throw std::invalid_argument("put: names, values and sizes differ in length");
+            }
+            std::vector<const std::byte*> v;
+            for (auto a : values) v.push_back(reinterpret_cast<const std::byte*>(a));
+            return t.put(names, v, sizes);
+          },
+          "names"_a, "values"_a, "sizes"_a,
+          "Start writing values[i] (an address, sizes[i] bytes, readable until the batch "
+          "completed) under names[i]; returns the batch. Results: bytes written, or below 0.")
+      .def(
+          "get",
+          [](hicache::Tier& t, std::vector<std::string> names, std::vector<std::uintptr_t> dests,
+             std::size_t capacity) {
+            if (names.size() != dests.size()) {
+              throw std::invalid_argument("get: names and dests differ in length");
+            }
+            std::vector<std::byte*> d;
+            for (auto a : dests) d.push_back(reinterpret_cast<std::byte*>(a));
+            return t.get(names, d, capacity);
+          },
+          "names"_a, "dests"_a, "capacity"_a,
+          "Start reading names[i] into dests[i] (an address with room for `capacity` bytes); "
+          "returns the batch. Results: bytes read, or below 0.")
+      .def(
           "exists",
           [](hicache::Tier& t, std::vector<std::string> names) { return t.exists(names); },
           "names"_a)
@@ -750,6 +785,55 @@ NB_MODULE(_core, m) {
           },
           "name"_a, "value"_a)
       .def("fail_next", &hicache::MemoryTier::fail_next, "batches"_a);
+
+  nb::class_<hicache::DiskTier, hicache::Tier>(
+      m, "DiskTier", "A Tier in a local directory that outlives the process (docs/tier.md)")
+      .def(
+          "__init__",
+          [](hicache::DiskTier* self, const std::string& path, std::int64_t capacity_bytes,
+             std::int64_t segment_bytes, const std::string& direct_io, int read_threads) {
+            hicache::DiskTierOptions o;
+            o.path = path;
+            o.capacity_bytes = capacity_bytes;
+            o.segment_bytes = segment_bytes;
+            o.direct_io = direct_io;
+            o.read_threads = read_threads;
+            nb::gil_scoped_release release;  // opening rebuilds the index: seconds, maybe
+            new (self) hicache::DiskTier(std::move(o));
+          },
+          "path"_a, "capacity_bytes"_a, "segment_bytes"_a = 0, "direct_io"_a = "auto",
+          "read_threads"_a = 4)
+      .def(
+          "wait",
+          [](hicache::DiskTier& t, std::int64_t batch, double timeout_s) {
+            return t.wait(batch, std::chrono::microseconds(
+                                     static_cast<std::int64_t>(std::max(0.0, timeout_s) * 1e6)));
+          },
+          "batch"_a, "timeout_s"_a, nb::call_guard<nb::gil_scoped_release>())
+      .def_prop_ro("path", [](const hicache::DiskTier& t) { return t.options().path; })
+      .def_prop_ro("capacity_bytes",
+                   [](const hicache::DiskTier& t) { return t.options().capacity_bytes; })
+      .def("stats", [](const hicache::DiskTier& t) {
+        const hicache::DiskTierStats s = t.stats();
+        nb::dict d;
+        d["values"] = s.values;
+        d["bytes_on_disk"] = s.bytes_on_disk;
+        d["segments"] = s.segments;
+        d["values_written"] = s.values_written;
+        d["values_rewritten"] = s.values_rewritten;
+        d["values_read"] = s.values_read;
+        d["segments_evicted"] = s.segments_evicted;
+        d["write_failures"] = s.write_failures;
+        d["read_failures"] = s.read_failures;
+        d["damaged_entries"] = s.damaged_entries;
+        d["index_rebuild_s"] = s.index_rebuild_s;
+        d["index_files_used"] = s.index_files_used;
+        d["segments_scanned"] = s.segments_scanned;
+        d["direct_io"] = s.direct_io;
+        d["read_only"] = s.read_only;
+        d["last_error"] = s.last_error;
+        return d;
+      });
 
   nb::class_<hicache::CacheStats>(m, "CacheStats")
       .def_ro("lookups", &hicache::CacheStats::lookups)
@@ -873,6 +957,14 @@ NB_MODULE(_core, m) {
       .def(
           "stats", [](const PyCache& self) { return self.cache->stats(); },
           nb::call_guard<nb::gil_scoped_release>())
+      .def(
+          "prefetch",
+          [](PyCache& self, Tokens prompt, std::optional<nb::bytes> salt) {
+            const std::optional<std::string_view> chain_salt = salt_view(salt);
+            nb::gil_scoped_release release;
+            return self.cache->prefetch({prompt.data(), prompt.shape(0)}, chain_salt);
+          },
+          "prompt"_a.noconvert(), "salt"_a.none())
       .def(
           "flush_tier",
           [](PyCache& self, std::optional<double> timeout_s) {

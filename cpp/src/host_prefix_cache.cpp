@@ -620,6 +620,34 @@ std::size_t HostPrefixCache::worth_loading(std::size_t h, std::int64_t prompt_to
   return pages_worth_loading(h, cost, whole_or_nothing);
 }
 
+std::int64_t HostPrefixCache::prefetch(std::span<const std::int32_t> prompt,
+                                       std::optional<std::string_view> salt) {
+  if (prompt.empty()) throw std::invalid_argument("prefetch: the prompt is empty");
+  if (!link_ || config_.state_bytes > 0) return 0;
+  const std::int64_t B = config_.block_tokens;
+  const std::int64_t max_pages =
+      std::max<std::int64_t>(0, static_cast<std::int64_t>(prompt.size()) - config_.keep_tokens) / B;
+  const std::string_view chain_salt = salt.value_or(std::string_view(config_.salt));
+  std::lock_guard<std::mutex> g(mu_);
+  if (disabled_ || max_pages == 0) return 0;
+  // What host memory has (pages being stored count: they are on their way): found by content;
+  // the tier thread hashes the rest, and takes pages host memory has by key as it goes.
+  std::vector<Entry*> matched;
+  walk_by_content(pages_, prompt, static_cast<std::size_t>(B), static_cast<std::size_t>(max_pages),
+                  find_root(chain_salt), matched, /*ready_only=*/false);
+  if (static_cast<std::int64_t>(matched.size()) >= max_pages) return 0;
+  std::vector<Key> keys;
+  for (const Entry* e : matched) keys.push_back(e->key);
+  const std::int64_t asked = max_pages - static_cast<std::int64_t>(matched.size());
+  const bool queued = link_->prefetch({{prompt.begin(), prompt.end()},
+                                       std::string(chain_salt),
+                                       matched.size(),
+                                       max_pages,
+                                       config_.key_bits,
+                                       std::move(keys)});
+  return queued ? asked : 0;
+}
+
 // --- store -------------------------------------------------------------------------------------
 
 std::int64_t HostPrefixCache::store(std::string_view request_id,

@@ -3,9 +3,12 @@
 #include <algorithm>
 #include <climits>
 #include <cstring>
+#include <deque>
 #include <memory>
 #include <stdexcept>
 #include <string>
+#include <unordered_map>
+#include <vector>
 
 #include "hicache/chain_walk.hpp"
 
@@ -102,12 +105,22 @@ class ReplayCache {
   StoreWalk walk_;
 };
 
-// The shared tier: pages by key, least recently used out (its values are found by name).
+// A tier of the replay: lookup(keys, from, limit) serves the run of pages it holds from
+// `from`; put(key) writes a page.
 class TierModel {
  public:
-  explicit TierModel(std::int64_t capacity) : index_(capacity, EvictionPolicy::kLru) {}
+  virtual ~TierModel() = default;
+  virtual std::size_t lookup(std::span<const Key> keys, std::size_t from, std::size_t limit) = 0;
+  virtual void put(const Key& key) = 0;
+  virtual std::int64_t stored() const = 0;
+};
+
+// A shared store: pages by key, least recently used out (its values are found by name).
+class LruTierModel final : public TierModel {
+ public:
+  explicit LruTierModel(std::int64_t capacity) : index_(capacity, EvictionPolicy::kLru) {}
   // Pages of keys[from..limit) it holds, in a run; they are marked used.
-  std::size_t lookup(std::span<const Key> keys, std::size_t from, std::size_t limit) {
+  std::size_t lookup(std::span<const Key> keys, std::size_t from, std::size_t limit) override {
     std::size_t n = 0;
     for (std::size_t i = from; i < limit; ++i, ++n) {
       Entry* e = index_.find(keys[i]);
@@ -116,7 +129,7 @@ class TierModel {
     }
     return n;
   }
-  void put(const Key& key) {
+  void put(const Key& key) override {
     if (Entry* e = index_.find(key)) {
       index_.touch(e);
       return;
@@ -127,11 +140,58 @@ class TierModel {
     index_.unpin(e);
     ++stored_;
   }
-  std::int64_t stored() const { return stored_; }
+  std::int64_t stored() const override { return stored_; }
 
  private:
   PrefixIndex index_;
   std::uint64_t next_serial_ = 1;
+  std::int64_t stored_ = 0;
+};
+
+// DiskTier's rule (disk_tier.hpp), in pages: appended to segments of 1/16 of the capacity, the
+// oldest segment dropped when full, a page read from the older half appended again.
+class DiskTierModel final : public TierModel {
+ public:
+  explicit DiskTierModel(std::int64_t capacity)
+      : capacity_(capacity), segment_pages_(std::max<std::int64_t>(1, capacity / 16)) {}
+  std::size_t lookup(std::span<const Key> keys, std::size_t from, std::size_t limit) override {
+    std::size_t n = 0;
+    for (std::size_t i = from; i < limit; ++i, ++n) {
+      auto it = where_.find(keys[i]);
+      if (it == where_.end()) break;
+      if (it->second < first_ + segments_.size() / 2) append(keys[i]);  // the older half
+    }
+    return n;
+  }
+  void put(const Key& key) override {
+    append(key);
+    ++stored_;
+  }
+  std::int64_t stored() const override { return stored_; }
+
+ private:
+  void append(const Key& key) {
+    if (segments_.empty() || static_cast<std::int64_t>(segments_.back().size()) == segment_pages_) {
+      segments_.emplace_back();
+    }
+    segments_.back().push_back(key);
+    where_[key] = first_ + segments_.size() - 1;
+    ++pages_;
+    while (pages_ > capacity_ && segments_.size() > 1) {
+      for (const Key& k : segments_.front()) {
+        auto it = where_.find(k);
+        if (it != where_.end() && it->second == first_) where_.erase(it);
+      }
+      pages_ -= static_cast<std::int64_t>(segments_.front().size());
+      segments_.pop_front();
+      ++first_;
+    }
+  }
+  std::int64_t capacity_, segment_pages_;
+  std::deque<std::vector<Key>> segments_;  // oldest first
+  std::uint64_t first_ = 0;                // the oldest segment's number
+  std::int64_t pages_ = 0;                 // pages in segments, stale copies included
+  std::unordered_map<Key, std::uint64_t, KeyHash> where_;  // the segment of each page's copy
   std::int64_t stored_ = 0;
 };
 
@@ -173,7 +233,7 @@ ReplayResult replay_policy(const ReplayTrace& t, std::int64_t capacity_pages,
 ReplayResult replay_shared(const ReplayTrace& t, std::span<const std::int32_t> instance_of,
                            std::int32_t instances, std::int64_t host_capacity_pages,
                            std::int64_t tier_capacity_pages, EvictionPolicy eviction,
-                           Admission admission, TierWrite write) {
+                           Admission admission, TierWrite write, TierModelKind kind) {
   check(t, host_capacity_pages);
   const std::size_t requests = t.hit_limit.size();
   if (instances < 1) throw std::invalid_argument("replay: instances must be >= 1");
@@ -186,7 +246,11 @@ ReplayResult replay_shared(const ReplayTrace& t, std::span<const std::int32_t> i
     hosts.push_back(std::make_unique<ReplayCache>(host_capacity_pages, eviction, admission));
   }
   std::unique_ptr<TierModel> tier;
-  if (tier_capacity_pages > 0) tier = std::make_unique<TierModel>(tier_capacity_pages);
+  if (tier_capacity_pages > 0 && kind == TierModelKind::kLru) {
+    tier = std::make_unique<LruTierModel>(tier_capacity_pages);
+  } else if (tier_capacity_pages > 0) {
+    tier = std::make_unique<DiskTierModel>(tier_capacity_pages);
+  }
   ReplayResult res;
   res.served_pages.assign(requests, 0);
   res.tier_pages.assign(requests, 0);

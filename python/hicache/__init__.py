@@ -2,6 +2,7 @@
 
 from ._core import CacheError, CacheStats, MemoryTier, Tier, UnknownRequestError, cuda_available
 from .cache import HostPrefixCache, LayerwiseLoad
+from .disk_tier import DiskTier
 from .hash_chain import chain_keys
 
 __version__ = "0.1.0"
@@ -9,6 +10,7 @@ __version__ = "0.1.0"
 __all__ = [
     "CacheError",
     "CacheStats",
+    "DiskTier",
     "HostPrefixCache",
     "LayerwiseLoad",
     "MemoryTier",

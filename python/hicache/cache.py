@@ -408,6 +408,21 @@ class HostPrefixCache:
         self._check_segments()
         return self._core.store(rid, toks, blocks, handle, export, chain_salt)
 
+    def prefetch(self, prompt: Sequence[int] | ArrayLike, *, salt: bytes | str | None = None) -> int:
+        """With a tier: start fetching, in the background, the part of ``prompt``'s prefix that
+        host memory lacks, so that a later :meth:`try_resume` of it finds the pages in host
+        memory and never waits for the tier. Call it when a request arrives, before it is
+        scheduled. Never blocks on the tier.
+
+        Returns:
+            pages asked of the tier (0: host memory has the prefix, there is no tier, or the
+            tier's queue is full).
+        """
+        tokens = _arrays.as_tokens(prompt, "prompt")
+        if len(tokens) == 0:
+            raise ValueError("prompt is empty")
+        return self._core.prefetch(tokens, _arrays.as_salt(salt))
+
     def flush_tier(self, timeout_s: float | None = None) -> None:
         """Wait until every page stored before this call has reached its end in the tier:
         written, failed or dropped (``stats().tier_pages_written`` / ``_failed`` /

@@ -53,6 +53,8 @@ def _demo(args: argparse.Namespace) -> int:
         print(f"hicache demo: {e}", file=sys.stderr)
         return 2
     run_workload(plain, convs[:1], args.new_tokens, "warm-up")  # kernels, allocator
+    if args.disk:
+        return _demo_disk(args, model, plain, convs, common, log, cfg, device)
     t0 = time.perf_counter()
     without = run_workload(plain, convs, args.new_tokens, "without cache", log)
     with_cache = run_workload(cached, convs, args.new_tokens, "with cache", log)
@@ -129,6 +131,68 @@ def _demo(args: argparse.Namespace) -> int:
     return 0 if identical else 1
 
 
+def _demo_disk(args, model, plain, convs, common, log, cfg, device) -> int:  # type: ignore[no-untyped-def]
+    """--disk DIR: the workload round by round, the engine restarted before each round (empty host
+    memory) over a DiskTier in DIR, against the same workload without a cache."""
+    from .demo import PagedEngine
+    from .demo.runner import run_restarted, run_workload
+    from .disk_tier import DiskTier
+
+    # The tier space names everything the KV depends on: a directory kept across runs with other
+    # weights (another seed) must never serve them.
+    space = f"demo/{args.model}/seed{args.seed}/window{cfg.window}/{model.dtype}/{args.prefill_chunk}"
+
+    def restarted() -> PagedEngine:
+        tier = DiskTier(args.disk, args.disk_bytes)
+        return PagedEngine(model, cache_pages=args.cache_pages, tier=tier, tier_space=space, **common)
+
+    t0 = time.perf_counter()
+    without = run_workload(plain, convs, args.new_tokens, "without cache", log)
+    try:
+        with_disk, rounds = run_restarted(restarted, convs, args.new_tokens, "with a disk tier", log)
+    except (ValueError, RuntimeError) as e:
+        print(f"hicache demo: --disk {args.disk}: {e}", file=sys.stderr)
+        return 2
+    identical = all(a.generated == b.generated for a, b in zip(with_disk, without, strict=True))
+    result = {
+        "model": args.model,
+        "device": str(device),
+        "disk": args.disk,
+        "requests": len(with_disk),
+        "prompt_tokens": sum(r.prompt_tokens for r in with_disk),
+        "tokens_from_cache": sum(r.cached_tokens for r in with_disk),
+        "tokens_from_disk": sum(int(r["tier_hit_tokens"]) for r in rounds),
+        "rounds": [
+            {k: r[k] for k in ("hit_tokens", "tier_hit_tokens", "tier_pages_written", "tier_pages_rejected")}
+            for r in rounds
+        ],
+        "tokens_identical": identical,
+        "seconds": round(time.perf_counter() - t0, 1),
+    }
+    if args.json:
+        print(json.dumps(result, default=str))
+    else:
+        print(
+            f"\nhicache demo --disk {args.disk}: {args.model} model on {device}; the engine restarted before "
+            f"each of {len(rounds)} rounds (empty host memory)\n"
+        )
+        print(
+            "| round | requests | tokens from the cache | of them from the disk | pages written to the disk |"
+        )
+        print("| --- | --- | --- | --- | --- |")
+        per = len(convs)
+        for t, r in enumerate(rounds):
+            served = sum(x.cached_tokens for x in with_disk[t * per : (t + 1) * per])
+            print(f"| {t + 1} | {per} | {served} | {r['tier_hit_tokens']} | {r['tier_pages_written']} |")
+        print(
+            f"\n{result['tokens_from_disk']} of {result['prompt_tokens']} prompt tokens served from the "
+            f"disk; every generated token identical to the run without a cache: "
+            f"{'yes' if identical else 'NO'}"
+        )
+        print(f"({result['seconds']} s)")
+    return 0 if identical else 1
+
+
 CONVERSATION_DEFAULTS = {
     "conversations": 8,
     "turns": 8,
@@ -162,6 +226,14 @@ def _replay(args: argparse.Namespace) -> int:
                     )
         elif args.tier is not None:
             raise ValueError("--tier needs --instances")
+        if args.disk is not None:
+            if args.instances:
+                raise ValueError("--disk replays one engine: give it without --instances")
+            for w in args.tier_write.split(","):
+                if w not in replay.TIER_WRITES:
+                    raise ValueError(
+                        f"--tier-write must be one of {', '.join(replay.TIER_WRITES)}, not {w!r}"
+                    )
         if args.plot:
             replay.check_plot_support()
         capacities = [replay.parse_capacity(c, args.page_bytes) for c in args.capacity.split(",")]
@@ -175,6 +247,8 @@ def _replay(args: argparse.Namespace) -> int:
         return 2
     if args.instances:
         return _replay_shared(args, traces, capacities, policies)
+    if args.disk is not None:
+        return _replay_disk(args, traces, capacities, policies)
     by_trace: dict[str, list] = {}
     try:
         for trace in traces:
@@ -223,6 +297,34 @@ def _replay_shared(args: argparse.Namespace, traces: list, capacities: list[int]
                             print(json.dumps({"trace": trace.name, **res.as_dict()}), flush=True)
                         else:
                             print(replay.format_shared_row(res), flush=True)
+    except KeyboardInterrupt:
+        print("hicache replay: interrupted; the results above are complete", file=sys.stderr)
+        return 130
+    return 0
+
+
+def _replay_disk(args: argparse.Namespace, traces: list, capacities: list[int], policies: list[str]) -> int:
+    from . import replay
+
+    try:
+        disks = [replay.parse_capacity(c, args.page_bytes) for c in args.disk.split(",")]
+    except ValueError as e:
+        print(f"hicache replay: --disk: {e}", file=sys.stderr)
+        return 2
+    policy = policies[0] if policies else "adaptive"
+    try:
+        for trace in traces:
+            if not args.json:
+                print(f"{trace.name}: {len(trace)} requests; host policy {policy}", flush=True)
+                print(replay.DISK_HEADER, flush=True)
+            for cap in capacities:
+                for disk in disks:
+                    for write in args.tier_write.split(","):
+                        res = replay.replay_disk(trace, cap, disk, policy, args.keep_tokens, write)
+                        if args.json:
+                            print(json.dumps({"trace": trace.name, **res.as_dict()}), flush=True)
+                        else:
+                            print(replay.format_disk_row(res), flush=True)
     except KeyboardInterrupt:
         print("hicache replay: interrupted; the results above are complete", file=sys.stderr)
         return 130
@@ -289,6 +391,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     d.add_argument("--cache-pages", type=int, default=4096, help="host pages of the cache")
     d.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    d.add_argument(
+        "--disk",
+        metavar="DIR",
+        help="restart the engine before every round, over a DiskTier in DIR: hits come from the disk",
+    )
+    d.add_argument(
+        "--disk-bytes", type=int, default=4 << 30, help="with --disk: the tier's capacity in bytes"
+    )
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--json", action="store_true", help="print one JSON object")
     d.set_defaults(func=_demo)
@@ -332,10 +442,16 @@ def main(argv: list[str] | None = None) -> int:
         help="with --instances: affinity (a conversation stays on one instance) or round-robin",
     )
     r.add_argument(
+        "--disk",
+        help="comma-separated disk capacities (tokens or bytes): replay one engine's host pool "
+        "(--capacity) over a DiskTier, with DiskTier's eviction (oldest segment first, pages read "
+        "from the older half moved up), beside the host pool alone",
+    )
+    r.add_argument(
         "--tier-write",
         default="through",
-        help="with --instances: when pages reach the tier, 'through' (each page a host stores, as "
-        "hicache does) or 'back' (when a host evicts it); comma-separated to compare",
+        help="with --instances or --disk: when pages reach the tier, 'through' (each page a host "
+        "stores, as hicache does) or 'back' (when a host evicts it); comma-separated to compare",
     )
     r.add_argument("--no-optimum", action="store_true", help="skip Belady's offline optimum")
     r.add_argument("--plot", metavar="PNG", help="write hit ratio vs capacity (needs matplotlib)")

@@ -362,6 +362,83 @@ def replay_shared(
     )
 
 
+@dataclass
+class DiskResult:
+    write: str
+    host_capacity_tokens: int
+    disk_capacity_tokens: int
+    prompt_tokens: int
+    host_only_hit_tokens: int  # the host pool alone
+    host_hit_tokens: int  # with the disk: served from host memory
+    disk_hit_tokens: int  # with the disk: served from the disk
+    disk_pages_written: int
+    seconds: float
+
+    def ratio(self, tokens: int) -> float:
+        return tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    def as_dict(self) -> dict[str, object]:
+        d = asdict(self)
+        for k in ("host_only", "host", "disk"):
+            d[f"{k}_hit_ratio"] = round(self.ratio(getattr(self, f"{k}_hit_tokens")), 6)
+        d["total_hit_ratio"] = round(self.ratio(self.host_hit_tokens + self.disk_hit_tokens), 6)
+        return d
+
+
+def replay_disk(
+    trace: Trace,
+    host_capacity_pages: int,
+    disk_capacity_pages: int,
+    policy: str = "adaptive",
+    keep_tokens: int = 1,
+    write: str = "through",
+) -> DiskResult:
+    """One engine's host pool over a DiskTier of ``disk_capacity_pages`` (its own rule: the
+    oldest segment out, a page read from the older half moved up), written through or back on
+    eviction, beside the host pool alone. A host miss waits for the disk."""
+    if write not in TIER_WRITES:
+        raise ValueError(f"write must be one of {', '.join(TIER_WRITES)}, not {write!r}")
+    if policy not in POLICIES:
+        raise ValueError(f"unknown policy {policy!r}: choose from {', '.join(POLICIES)}")
+    eviction, admission = POLICIES[policy]
+    t0 = time.perf_counter()
+    one = np.zeros(len(trace), dtype=np.int32)
+    args = (trace.block_ids, trace.sub_pages, trace.offsets, trace.hit_limit(keep_tokens), one, 1)
+    alone = _core.replay_shared(*args, host_capacity_pages, 0, eviction, admission)
+    both = _core.replay_shared(
+        *args, host_capacity_pages, disk_capacity_pages, eviction, admission, write, "disk"
+    )
+    served, from_disk = sum(both["served_pages"]), sum(both["tier_pages"])
+    return DiskResult(
+        write=write,
+        host_capacity_tokens=host_capacity_pages * PAGE_TOKENS,
+        disk_capacity_tokens=disk_capacity_pages * PAGE_TOKENS,
+        prompt_tokens=int(trace.input_lengths.sum()),
+        host_only_hit_tokens=sum(alone["served_pages"]) * PAGE_TOKENS,
+        host_hit_tokens=(served - from_disk) * PAGE_TOKENS,
+        disk_hit_tokens=from_disk * PAGE_TOKENS,
+        disk_pages_written=int(both["tier_pages_stored"]),
+        seconds=round(time.perf_counter() - t0, 3),
+    )
+
+
+DISK_HEADER = (
+    "| disk write | host pool (tokens) | disk (tokens) | host alone | with disk: host | with disk: disk "
+    "| with disk: total | disk pages written | seconds |\n"
+    "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"
+)
+
+
+def format_disk_row(r: DiskResult) -> str:
+    total = r.host_hit_tokens + r.disk_hit_tokens
+    return (
+        f"| {r.write} | {r.host_capacity_tokens:,} | {r.disk_capacity_tokens:,} "
+        f"| {r.ratio(r.host_only_hit_tokens):.4f} | {r.ratio(r.host_hit_tokens):.4f} "
+        f"| {r.ratio(r.disk_hit_tokens):.4f} | {r.ratio(total):.4f} | {r.disk_pages_written:,} "
+        f"| {r.seconds} |"
+    )
+
+
 SHARED_HEADER = (
     "| instances | route | tier write | host pool each (tokens) | shared tier (tokens) | private pools | "
     "shared: host | shared: tier | shared: total | one big cache | tier pages written | seconds |\n"

@@ -243,6 +243,9 @@ def method_call(engine: Engine, name: str, value: Any) -> Callable[[], Any]:
         "store.salt": lambda: c.store("s", PROMPT + 1, [5, 6], salt=value),
         "forget.request_id": lambda: c.forget(value),
         "complete_transfers.stream": lambda: c.complete_transfers(value),
+        "prefetch.prompt": lambda: c.prefetch(value),
+        "prefetch.salt": lambda: c.prefetch(PROMPT, salt=value),
+        "flush_tier.timeout_s": lambda: c.flush_tier(value),
         "chain_keys.tokens": lambda: hicache.chain_keys(value, B),
         "chain_keys.block_tokens": lambda: hicache.chain_keys(PROMPT, value),
         "chain_keys.salt": lambda: hicache.chain_keys(PROMPT, B, salt=value),
@@ -273,7 +276,8 @@ TARGETS = [
     "try_resume_layerwise.request_id", "try_resume_layerwise.stream", "wait.layer",
     "store.request_id", "store.tokens",
     "store.block_ids", "store.stream", "store.state_export", "store.state_export()", "store.salt",
-    "forget.request_id", "complete_transfers.stream", "chain_keys.tokens", "chain_keys.block_tokens",
+    "forget.request_id", "complete_transfers.stream", "prefetch.prompt", "prefetch.salt",
+    "flush_tier.timeout_s", "chain_keys.tokens", "chain_keys.block_tokens",
     "chain_keys.salt", "chain_keys.key_bits",
 ]  # fmt: skip
 
@@ -284,6 +288,10 @@ def check_outcome(target: str, result: Any) -> None:
         assert isinstance(result, int) and result in (-1, 0, B, 2 * B), result
     elif target.startswith("store"):
         assert isinstance(result, int) and 0 <= result <= 3, result
+    elif target.startswith("prefetch"):
+        assert result == 0, result  # no tier: nothing to fetch
+    elif target.startswith("flush_tier"):
+        assert result is None, result
     elif target.startswith("chain_keys"):
         assert isinstance(result, list) and all(isinstance(k, bytes) and len(k) == 16 for k in result)
 
@@ -337,7 +345,7 @@ def test_every_target_ran_its_examples() -> None:
     assert not missing, missing
     print(f"\n{sum(ran.values())} generated values over {len(TARGETS)} arguments and callback results:")
     methods = ("HostPrefixCache()", "try_resume", "try_resume_layerwise", "wait", "store", "forget")
-    for method in (*methods, "complete_transfers", "chain_keys"):
+    for method in (*methods, "complete_transfers", "prefetch", "flush_tier", "chain_keys"):
         mine = {
             t: n
             for t, n in ran.items()

@@ -225,3 +225,30 @@ def test_demo_command_runs_the_agentic_workload_layer_by_layer() -> None:
     assert result["tokens_identical"] is True and result["layerwise_tokens_identical"] is True
     assert result["cache_layerwise"]["layerwise_loads"] == result["cache_layerwise"]["hits"] == 6
     assert result["ttft_p50_layerwise_ms"] > 0
+
+
+def test_demo_with_a_disk_serves_every_restarted_round_from_the_disk_identically(tmp_path) -> None:
+    def demo(seed: int) -> dict:
+        out = subprocess.run(
+            [sys.executable, "-m", "hicache.cli", "demo", "--json", "--device", "cpu", "--disk",
+             str(tmp_path / "disk"), "--conversations", "2", "--turns", "3", "--first-tokens", "300",
+             "--user-tokens", "60", "--seed", str(seed)],
+            check=True,
+            capture_output=True,
+            text=True,
+        )  # fmt: skip
+        return json.loads(out.stdout)
+
+    first = demo(0)
+    assert first["tokens_identical"] is True and first["requests"] == 6
+    rounds = first["rounds"]
+    assert rounds[0]["tier_hit_tokens"] == 0 and rounds[0]["tier_pages_written"] > 0
+    # Every later round ran on a restarted engine (empty host memory): all it served came from disk.
+    assert all(r["tier_hit_tokens"] == r["hit_tokens"] > 0 for r in rounds[1:]), rounds
+    # The directory outlives the process: a new run serves its first round from it too...
+    again = demo(0)
+    assert again["tokens_identical"] is True and again["rounds"][0]["tier_hit_tokens"] > 0
+    # ...and another model (other weights, the same shapes) over it is never served its KV.
+    other = demo(1)
+    assert other["tokens_identical"] is True and other["rounds"][0]["tier_hit_tokens"] == 0
+    assert all(r["tier_pages_rejected"] == 0 for r in other["rounds"])

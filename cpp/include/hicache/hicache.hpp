@@ -10,6 +10,7 @@
 #include "hicache/cpu_copier.hpp"
 #include "hicache/cuda_copier.hpp"
 #include "hicache/device.hpp"
+#include "hicache/disk_tier.hpp"
 #include "hicache/error.hpp"
 #include "hicache/hash_chain.hpp"
 #include "hicache/host_memory.hpp"

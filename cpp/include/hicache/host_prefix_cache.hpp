@@ -110,6 +110,15 @@ class HostPrefixCache {
                      const StateExportFn& state_export = {},
                      std::optional<std::string_view> salt = std::nullopt);
 
+  /// With a tier: starts fetching, in the background, the part of `prompt`'s prefix that host
+  /// memory lacks, so that a try_resume of it later finds the pages in host memory and never
+  /// waits for the tier (an engine calls this when a request arrives, before it schedules it).
+  /// Pages only (a cache with states does not fetch). Never blocks on the tier.
+  /// @return pages asked of the tier (0: host memory has the prefix, no tier, or its queue is
+  ///         full). @throws std::invalid_argument for an empty prompt.
+  std::int64_t prefetch(std::span<const std::int32_t> prompt,
+                        std::optional<std::string_view> salt = std::nullopt);
+
   /// Retires completed transfers: stored entries become hit-able, loaded ones are released.
   /// Non-blocking. @return transfers retired.
   std::int64_t poll();

@@ -52,16 +52,24 @@ enum class TierWrite {
   kBack,     ///< a page when a host evicts it
 };
 
+/// How the tier drops pages when it is full.
+enum class TierModelKind {
+  kLru,   ///< least recently used page first (a Mooncake Store's objects)
+  kDisk,  ///< DiskTier's rule: oldest segment (1/16 of the capacity) first, a page read from
+          ///< the older half written again at the head
+};
+
 /// Several engine instances, each with a private host pool (`policy`, `host_capacity_pages`),
-/// over one shared tier of `tier_capacity_pages` (0: none; an LRU of pages). Request r runs on
-/// instance instance_of[r]: its host pool serves the longest cached prefix, the tier the pages
+/// over one shared tier of `tier_capacity_pages` (0: none; `kind` drops its pages). Request r runs
+/// on instance instance_of[r]: its host pool serves the longest cached prefix, the tier the pages
 /// it holds right after that (a host miss waits for the tier), then the prompt is stored in the
 /// host and, per `write`, its pages (or those the host evicted) in the tier.
 /// @throws std::invalid_argument for a bad instance, count or capacity.
 ReplayResult replay_shared(const ReplayTrace& trace, std::span<const std::int32_t> instance_of,
                            std::int32_t instances, std::int64_t host_capacity_pages,
                            std::int64_t tier_capacity_pages, EvictionPolicy eviction,
-                           Admission admission, TierWrite write = TierWrite::kThrough);
+                           Admission admission, TierWrite write = TierWrite::kThrough,
+                           TierModelKind kind = TierModelKind::kLru);
 
 /// Belady: evicts the page used farthest in the future and declines a page used later than every
 /// cached one; ties go to the deeper page, so no page is evicted before its descendants.

@@ -38,6 +38,41 @@ def run_workload(
     return results
 
 
+def run_restarted(
+    make_engine: Callable[[], PagedEngine],
+    conversations: list[Conversation],
+    new_tokens: int,
+    tag: str,
+    progress: Callable[[str], None] | None = None,
+) -> tuple[list[RequestResult], list[dict[str, object]]]:
+    """The workload round by round (a round: one turn of every conversation), each round on a
+    fresh engine from `make_engine` (the process restarted: empty host memory) whose writes are
+    flushed before it goes. Returns the results, in run_workload's order, and each round's cache
+    counters."""
+    history = [list(c.first) for c in conversations]
+    turns = 1 + len(conversations[0].user_turns)
+    by_round: list[list[RequestResult]] = []
+    rounds: list[dict[str, object]] = []
+    for t in range(turns):
+        engine = make_engine()
+        assert engine.cache is not None
+        mine = []
+        for i, conv in enumerate(conversations):
+            prompt = history[i] if t == 0 else history[i] + conv.user_turns[t - 1]
+            res = engine.run_request(f"{tag}-c{i}-t{t}", prompt, new_tokens)
+            mine.append(res)
+            history[i] = prompt + res.generated
+        engine.cache.flush_tier()
+        rounds.append(engine.cache.stats_dict())
+        by_round.append(mine)
+        if progress is not None:
+            progress(f"\r{tag}: round {t + 1}/{turns} on a restarted engine")
+        del engine
+    if progress is not None:
+        progress("\n")
+    return [r for mine in by_round for r in mine], rounds
+
+
 def _pct(values: list[float], q: float) -> float:
     return statistics.quantiles(values, n=100, method="inclusive")[q - 1] if len(values) > 1 else values[0]
 
