@@ -802,7 +802,7 @@ NB_MODULE(_core, m) {
             new (self) hicache::DiskTier(std::move(o));
           },
           "path"_a, "capacity_bytes"_a, "segment_bytes"_a = 0, "direct_io"_a = "auto",
-          "read_threads"_a = 4)
+          "read_threads"_a = 8)
       .def(
           "wait",
           [](hicache::DiskTier& t, std::int64_t batch, double timeout_s) {

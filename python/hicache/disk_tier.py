@@ -42,7 +42,7 @@ class DiskTier(_CoreDiskTier):
         *,
         segment_bytes: int = 0,
         direct_io: str = "auto",
-        read_threads: int = 4,
+        read_threads: int = 8,
     ) -> None:
         try:
             p = os.fspath(path)

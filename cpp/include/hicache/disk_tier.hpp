@@ -48,7 +48,7 @@ struct DiskTierOptions {
   /// or "off".
   std::string direct_io = "auto";
   /// Threads that read a batch's values.
-  int read_threads = 4;
+  int read_threads = 8;
   /// @throws std::invalid_argument naming the bad field.
   void validate() const;
 };
