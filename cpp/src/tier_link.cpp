@@ -1,6 +1,7 @@
 #include "tier_link.hpp"
 
 #include <algorithm>
+#include <deque>
 #include <exception>
 #include <map>
 
@@ -14,10 +15,10 @@ namespace {
 // How long a background fetch may take before the tier thread gives up on it.
 constexpr auto kPrefetchDeadline = std::chrono::seconds(10);
 // Rounds that TierOptions::buffer_bytes holds: one crosses the network while the other's records
-// are written (puts) or its values checked (gets). Only one is ever in flight: Mooncake's client
+// are written (puts) or its values checked (gets). Puts keep one in flight: Mooncake's client
 // moves two batches at once slower than one after the other (on the 2-core CI machine, 256 MiB as
 // two concurrent puts of 128 took 80 ms, as one put 64 ms and as four in turn 63; gets 63, 57,
-// 58).
+// 58). Gets keep Tier::gets_in_flight() behind the one being checked (one for Mooncake).
 constexpr std::size_t kRing = 2;
 
 std::string one_line(std::string_view what) {
@@ -270,24 +271,37 @@ void TierLink::fetch_into(const FetchSpec& spec, std::size_t from, Clock::time_p
   }
   if (from >= spec.keys.size()) return;
   const Rounds plan = rounds(spec.keys.size() - from);
-  std::size_t r = 0;
-  std::optional<Round> current = submit_round(spec, from, plan.size(r++), {});
-  while (current) {
-    // The next round crosses the network while this one is checked: its pages hang under this
-    // round's, still pending.
-    std::optional<Round> following;
-    const std::size_t next_from = current->from + current->slots.size();
-    const bool whole = current->slots.size() == current->asked;
-    const bool kept = land_round(spec, *current, deadline, [&] {
-      if (whole && next_from < spec.keys.size()) {
-        following = submit_round(spec, next_from, plan.size(r++), current->slots);
+  // Rounds in flight behind the one being landed (Tier::gets_in_flight): each hangs under the
+  // ones before it, still pending, and crosses while those are checked.
+  const std::size_t depth = std::max<std::size_t>(1, tier_->gets_in_flight());
+  std::deque<Round> flying;
+  std::size_t r = 0, next_from = from;
+  bool more = true;  // no round fell short or failed to be placed yet
+  auto submit_next = [&] {
+    if (!more || r >= plan.count || next_from >= spec.keys.size()) return false;
+    std::vector<Slot> pending;
+    for (const Round& f : flying) pending.insert(pending.end(), f.slots.begin(), f.slots.end());
+    std::optional<Round> round = submit_round(spec, next_from, plan.size(r++), pending);
+    if (!round) return more = false;
+    next_from = round->from + round->slots.size();
+    if (round->slots.size() != round->asked) more = false;  // the prefix ends in it
+    flying.push_back(std::move(*round));
+    return true;
+  };
+  while (flying.size() < depth && submit_next()) {
+  }
+  while (!flying.empty()) {
+    Round& current = flying.front();
+    const bool whole = current.slots.size() == current.asked;
+    const bool kept = land_round(spec, current, deadline, [&] {
+      while (whole && flying.size() < depth + 1 && submit_next()) {
       }
     });
+    flying.pop_front();
     if (!kept || !whole) {
-      if (following) drop_round(*following, deadline);
+      for (Round& f : flying) drop_round(f, deadline);
       return;
     }
-    current = std::move(following);
   }
 }
 

@@ -330,3 +330,56 @@ TEST(DiskTier, AHostCacheOverItServesAfterARestartExactly) {
   EXPECT_EQ(cache.stats().tier_hit_tokens, 6 * kB);
   EXPECT_EQ(std::memcmp(kv.data() + 8 * kBytes, want.data(), 6 * kBytes), 0);
 }
+
+TEST(DiskTier, AFetchOfManyRoundsInFlightEndsExactlyBeforeADamagedPage) {
+  // Rounds of two pages, three in flight behind the one being checked: a 12-page prefix whose
+  // page 7 was damaged on disk is served through page 6, exactly, and nothing stays held.
+  TempDir d;
+  constexpr std::int64_t kB = 16, kBytes = 4096;
+  std::vector<std::uint8_t> kv(16 * kBytes);
+  std::mt19937 rng(9);
+  for (auto& b : kv) b = static_cast<std::uint8_t>(rng());
+  const auto want = kv;
+  hicache::CacheConfig c;
+  c.block_tokens = kB;
+  c.capacity_pages = 16;
+  c.admission = hicache::Admission::kAlways;
+  c.tier.wait_us = 5'000'000;
+  c.tier.buffer_bytes = 4 * kBytes;  // two pages a round
+  const auto prompt = hicache_test::tokens(12 * kB + 3, 700);
+  {
+    auto tier = std::make_shared<DiskTier>(options(d));
+    hicache::HostPrefixCache cache({{kv.data(), 16, kBytes, kBytes}}, {}, c, nullptr, tier);
+    EXPECT_EQ(cache.store("a", prompt, hicache_test::ids(0, 13)), 12);
+    EXPECT_TRUE(cache.flush_tier());
+  }
+  const auto segs = segment_files(d);
+  ASSERT_EQ(segs.size(), 1u);
+  const std::size_t extent = fs::file_size(segs[0]) / 12;  // the 12 pages' entries, equal in size
+  {
+    std::fstream f(segs[0], std::ios::binary | std::ios::in | std::ios::out);
+    f.seekp(static_cast<std::streamoff>(7 * extent + 64 + 100));  // page 7's bytes
+    f.put('\x01');
+  }
+  std::fill(kv.begin(), kv.end(), 0);
+  auto tier = std::make_shared<DiskTier>(options(d));
+  hicache::HostPrefixCache cache({{kv.data(), 16, kBytes, kBytes}}, {}, c, nullptr, tier);
+  const std::int64_t got = cache.try_resume("b", prompt, [&](std::int64_t n) {
+    return std::optional<std::vector<std::int64_t>>(hicache_test::ids(0, n / kB));
+  });
+  EXPECT_EQ(got, 7 * kB);
+  EXPECT_EQ(std::memcmp(kv.data(), want.data(), 7 * kBytes), 0);
+  cache.poll();
+  const auto s = cache.stats();
+  EXPECT_EQ(s.tier_pages_rejected, 1);
+  EXPECT_EQ(s.pages_busy, 0);  // every round, in flight or landed, was given back
+  // Asked again: the same prefix, exactly (the damaged page is fetched and refused again).
+  std::fill(kv.begin(), kv.end(), 0);
+  EXPECT_EQ(cache.try_resume("c", prompt,
+                             [&](std::int64_t n) {
+                               return std::optional<std::vector<std::int64_t>>(
+                                   hicache_test::ids(0, n / kB));
+                             }),
+            7 * kB);
+  EXPECT_EQ(std::memcmp(kv.data(), want.data(), 7 * kBytes), 0);
+}

@@ -92,6 +92,8 @@ class DiskTier final : public Tier {
   std::int64_t exists(std::span<const std::string> names) override;
   std::optional<std::vector<std::int64_t>> poll(std::int64_t batch) override;
   bool wait(std::int64_t batch, std::chrono::microseconds timeout) override;
+  /// Three gets in flight behind the one being checked: the disk never waits for the cache.
+  std::size_t gets_in_flight() const override { return 3; }
 
   DiskTierStats stats() const;
   const DiskTierOptions& options() const;

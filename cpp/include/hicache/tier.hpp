@@ -63,6 +63,10 @@ class Tier {
   virtual void use_memory(std::span<std::byte> /*region*/) {}
   /// Called once the cache is done with a region use_memory named (no batch uses it any more).
   virtual void release_memory(std::span<std::byte> /*region*/) {}
+  /// Gets a fetch keeps in flight behind the one it is checking. 1 (the default) suits a store
+  /// whose client moves two batches at once slower than one after the other (Mooncake's); a
+  /// disk, which idles between requests, wants more.
+  virtual std::size_t gets_in_flight() const { return 1; }
 };
 
 /// How a host miss uses the tier (CacheConfig::tier). Pages reach the tier when the host stores
