@@ -219,21 +219,13 @@ def _replay(args: argparse.Namespace) -> int:
                 raise ValueError("--instances needs --tier (the shared tier's capacity)")
             if args.route not in replay.ROUTES:
                 raise ValueError(f"--route must be one of {', '.join(replay.ROUTES)}")
-            for w in args.tier_write.split(","):
-                if w not in replay.TIER_WRITES:
-                    raise ValueError(
-                        f"--tier-write must be one of {', '.join(replay.TIER_WRITES)}, not {w!r}"
-                    )
         elif args.tier is not None:
             raise ValueError("--tier needs --instances")
-        if args.disk is not None:
-            if args.instances:
-                raise ValueError("--disk replays one engine: give it without --instances")
-            for w in args.tier_write.split(","):
-                if w not in replay.TIER_WRITES:
-                    raise ValueError(
-                        f"--tier-write must be one of {', '.join(replay.TIER_WRITES)}, not {w!r}"
-                    )
+        if args.disk is not None and args.instances:
+            raise ValueError("--disk replays one engine: give it without --instances")
+        for w in args.tier_write.split(","):
+            if w not in replay.TIER_WRITES:
+                raise ValueError(f"--tier-write must be one of {', '.join(replay.TIER_WRITES)}, not {w!r}")
         if args.plot:
             replay.check_plot_support()
         capacities = [replay.parse_capacity(c, args.page_bytes) for c in args.capacity.split(",")]

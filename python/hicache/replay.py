@@ -290,8 +290,26 @@ def route_requests(trace: Trace, instances: int, route: str) -> np.ndarray:
 TIER_WRITES = ("through", "back")
 
 
+class _Shares:
+    """Shares of a replay's prompt tokens."""
+
+    prompt_tokens: int
+
+    def ratio(self, tokens: int) -> float:
+        return tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+
+def _tier_policy(policy: str, write: str) -> tuple[str, str]:
+    """The host pool's (eviction, admission) for `policy`, once `write` is checked too."""
+    if write not in TIER_WRITES:
+        raise ValueError(f"write must be one of {', '.join(TIER_WRITES)}, not {write!r}")
+    if policy not in POLICIES:
+        raise ValueError(f"unknown policy {policy!r}: choose from {', '.join(POLICIES)}")
+    return POLICIES[policy]
+
+
 @dataclass
-class SharedResult:
+class SharedResult(_Shares):
     instances: int
     route: str
     write: str
@@ -304,9 +322,6 @@ class SharedResult:
     big_cache_hit_tokens: int  # one cache of N host pools plus the tier, serving every request
     tier_pages_stored: int
     seconds: float
-
-    def ratio(self, tokens: int) -> float:
-        return tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
     def as_dict(self) -> dict[str, object]:
         d = asdict(self)
@@ -330,11 +345,7 @@ def replay_shared(
     back on eviction), beside N private pools alone and one big cache of all that memory. A host
     miss waits for the tier; a cache that prefetches instead serves what the private pools
     serve (the prompt's pages reach the host with its store either way)."""
-    if write not in TIER_WRITES:
-        raise ValueError(f"write must be one of {', '.join(TIER_WRITES)}, not {write!r}")
-    if policy not in POLICIES:
-        raise ValueError(f"unknown policy {policy!r}: choose from {', '.join(POLICIES)}")
-    eviction, admission = POLICIES[policy]
+    eviction, admission = _tier_policy(policy, write)
     t0 = time.perf_counter()
     where = route_requests(trace, instances, route)
     args = (trace.block_ids, trace.sub_pages, trace.offsets, trace.hit_limit(keep_tokens))
@@ -363,7 +374,7 @@ def replay_shared(
 
 
 @dataclass
-class DiskResult:
+class DiskResult(_Shares):
     write: str
     host_capacity_tokens: int
     disk_capacity_tokens: int
@@ -373,9 +384,6 @@ class DiskResult:
     disk_hit_tokens: int  # with the disk: served from the disk
     disk_pages_written: int
     seconds: float
-
-    def ratio(self, tokens: int) -> float:
-        return tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
     def as_dict(self) -> dict[str, object]:
         d = asdict(self)
@@ -396,11 +404,7 @@ def replay_disk(
     """One engine's host pool over a DiskTier of ``disk_capacity_pages`` (its own rule: the
     oldest segment out, a page read from the older half moved up), written through or back on
     eviction, beside the host pool alone. A host miss waits for the disk."""
-    if write not in TIER_WRITES:
-        raise ValueError(f"write must be one of {', '.join(TIER_WRITES)}, not {write!r}")
-    if policy not in POLICIES:
-        raise ValueError(f"unknown policy {policy!r}: choose from {', '.join(POLICIES)}")
-    eviction, admission = POLICIES[policy]
+    eviction, admission = _tier_policy(policy, write)
     t0 = time.perf_counter()
     one = np.zeros(len(trace), dtype=np.int32)
     args = (trace.block_ids, trace.sub_pages, trace.offsets, trace.hit_limit(keep_tokens), one, 1)

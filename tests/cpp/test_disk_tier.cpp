@@ -112,6 +112,13 @@ std::vector<int> range(int first, int n) {
   return v;
 }
 
+// allocate() for try_resume: blocks first, first + 1, ... one per page of `block_tokens`.
+hicache::HostPrefixCache::AllocateFn blocks_from(std::int64_t first, std::int64_t block_tokens) {
+  return [=](std::int64_t n) {
+    return std::optional<std::vector<std::int64_t>>(hicache_test::ids(first, n / block_tokens));
+  };
+}
+
 std::vector<fs::path> segment_files(const TempDir& d) {
   std::vector<fs::path> out;
   for (const auto& e : fs::directory_iterator(d.path)) {
@@ -321,12 +328,7 @@ TEST(DiskTier, AHostCacheOverItServesAfterARestartExactly) {
   std::fill(kv.begin(), kv.end(), 0);
   auto tier = std::make_shared<DiskTier>(options(d));
   hicache::HostPrefixCache cache({{kv.data(), 16, kBytes, kBytes}}, {}, c, nullptr, tier);
-  EXPECT_EQ(cache.try_resume("b", prompt,
-                             [&](std::int64_t n) {
-                               return std::optional<std::vector<std::int64_t>>(
-                                   hicache_test::ids(8, n / kB));
-                             }),
-            6 * kB);
+  EXPECT_EQ(cache.try_resume("b", prompt, blocks_from(8, kB)), 6 * kB);
   EXPECT_EQ(cache.stats().tier_hit_tokens, 6 * kB);
   EXPECT_EQ(std::memcmp(kv.data() + 8 * kBytes, want.data(), 6 * kBytes), 0);
 }
@@ -364,9 +366,7 @@ TEST(DiskTier, AFetchOfManyRoundsInFlightEndsExactlyBeforeADamagedPage) {
   std::fill(kv.begin(), kv.end(), 0);
   auto tier = std::make_shared<DiskTier>(options(d));
   hicache::HostPrefixCache cache({{kv.data(), 16, kBytes, kBytes}}, {}, c, nullptr, tier);
-  const std::int64_t got = cache.try_resume("b", prompt, [&](std::int64_t n) {
-    return std::optional<std::vector<std::int64_t>>(hicache_test::ids(0, n / kB));
-  });
+  const std::int64_t got = cache.try_resume("b", prompt, blocks_from(0, kB));
   EXPECT_EQ(got, 7 * kB);
   EXPECT_EQ(std::memcmp(kv.data(), want.data(), 7 * kBytes), 0);
   cache.poll();
@@ -375,11 +375,6 @@ TEST(DiskTier, AFetchOfManyRoundsInFlightEndsExactlyBeforeADamagedPage) {
   EXPECT_EQ(s.pages_busy, 0);  // every round, in flight or landed, was given back
   // Asked again: the same prefix, exactly (the damaged page is fetched and refused again).
   std::fill(kv.begin(), kv.end(), 0);
-  EXPECT_EQ(cache.try_resume("c", prompt,
-                             [&](std::int64_t n) {
-                               return std::optional<std::vector<std::int64_t>>(
-                                   hicache_test::ids(0, n / kB));
-                             }),
-            7 * kB);
+  EXPECT_EQ(cache.try_resume("c", prompt, blocks_from(0, kB)), 7 * kB);
   EXPECT_EQ(std::memcmp(kv.data(), want.data(), 7 * kBytes), 0);
 }
