@@ -15,6 +15,7 @@
 #include <nanobind/stl/vector.h>
 #include <nanobind/trampoline.h>
 
+#include <charconv>
 #include <cstdint>
 #include <cstring>
 #include <memory>
@@ -88,11 +89,28 @@ hicache::DeviceBuffer buffer_of(const nb::ndarray<Ts...>& a, const std::string& 
 
 hicache::EvictionPolicy parse_eviction(const std::string& eviction);
 
-// The engine's tensors as segments, all on one device (named in the error if not).
+// "cpu" or "cuda:N": where a state-only cache's states live (no segment says it).
+hicache::Device parse_device(const std::string& s) {
+  if (s == "cpu") return {};
+  if (s.rfind("cuda:", 0) == 0) {
+    int index = -1;
+    const char* first = s.data() + 5;
+    const char* last = s.data() + s.size();
+    const auto r = std::from_chars(first, last, index);
+    if (r.ec == std::errc() && r.ptr == last && first != last && index >= 0) {
+      return {hicache::DeviceKind::kCuda, index};
+    }
+  }
+  throw std::invalid_argument("state_device must be 'cpu' or 'cuda:N', not '" + s + "'");
+}
+
+// The engine's tensors as segments, all on one device (named in the error if not). None: a
+// state-only cache, on state_device.
 std::pair<std::vector<hicache::Segment>, hicache::Device> segments_of(
-    const std::vector<nb::ndarray<>>& segments) {
+    const std::vector<nb::ndarray<>>& segments, const std::string& state_device) {
   std::vector<hicache::Segment> segs;
   hicache::Device device{};
+  if (segments.empty()) return {std::move(segs), parse_device(state_device)};
   for (std::size_t i = 0; i < segments.size(); ++i) {
     segs.push_back(segment_of(segments[i], i));
     const hicache::Device d = device_of(segments[i], "segment " + std::to_string(i));
@@ -158,9 +176,9 @@ PyCache make_cache(std::vector<nb::ndarray<>> segments, std::int64_t block_token
                    bool pin_upfront, const std::string& eviction, const std::string& admission,
                    std::shared_ptr<hicache::Tier> tier, hicache::TierOptions tier_options,
                    std::vector<std::int64_t> layer_segments, double prefill_tokens_per_s,
-                   std::optional<nb::callable> prefill_seconds) {
+                   std::optional<nb::callable> prefill_seconds, const std::string& state_device) {
   PyCache out;
-  auto [segs, device] = segments_of(segments);
+  auto [segs, device] = segments_of(segments, state_device);
   hicache::CacheConfig c;
   c.block_tokens = block_tokens;
   c.capacity_pages = capacity_pages;
@@ -626,7 +644,10 @@ NB_MODULE(_core, m) {
              const std::string& copier, std::optional<std::string> shared_memory, bool create,
              std::size_t chunk_bytes, const std::string& cuda_path, int cuda_blocks,
              const std::string& owner, double attach_timeout_s) {
-            auto [segs, device] = segments_of(segments);
+            if (segments.empty()) {
+              throw std::invalid_argument("segments: at least one KV segment is required");
+            }
+            auto [segs, device] = segments_of(segments, "cpu");
             const hicache::CudaCopierOptions cuda_options =
                 cuda_options_of(cuda_blocks, hicache::CudaCopierOptions{}.staging_bytes, cuda_path);
             std::shared_ptr<hicache::Copier> chosen;
@@ -923,25 +944,26 @@ NB_MODULE(_core, m) {
              std::shared_ptr<hicache::Tier> tier, std::int64_t tier_wait_us,
              std::int64_t tier_queue_pages, std::int64_t tier_buffer_bytes, std::string tier_space,
              std::vector<std::int64_t> layer_segments, double prefill_tokens_per_s,
-             std::optional<nb::callable> prefill_seconds) {
+             std::optional<nb::callable> prefill_seconds, const std::string& state_device) {
             hicache::TierOptions tier_options;
             tier_options.wait_us = tier_wait_us;
             tier_options.queue_pages = tier_queue_pages;
             tier_options.buffer_bytes = tier_buffer_bytes;
             tier_options.space = std::move(tier_space);
-            new (self) PyCache(make_cache(
-                std::move(segments), block_tokens, capacity_pages, keep_tokens,
-                std::move(state_parts), capacity_states, state_lookback, salt, error_limit,
-                key_bits, pool_chunk_bytes, copier, cuda_blocks, cuda_staging_bytes, cuda_path,
-                pin_upfront, eviction, admission, std::move(tier), std::move(tier_options),
-                std::move(layer_segments), prefill_tokens_per_s, std::move(prefill_seconds)));
+            new (self) PyCache(
+                make_cache(std::move(segments), block_tokens, capacity_pages, keep_tokens,
+                           std::move(state_parts), capacity_states, state_lookback, salt,
+                           error_limit, key_bits, pool_chunk_bytes, copier, cuda_blocks,
+                           cuda_staging_bytes, cuda_path, pin_upfront, eviction, admission,
+                           std::move(tier), std::move(tier_options), std::move(layer_segments),
+                           prefill_tokens_per_s, std::move(prefill_seconds), state_device));
           },
           "segments"_a, "block_tokens"_a, "capacity_pages"_a, "keep_tokens"_a, "state_parts"_a,
           "capacity_states"_a, "state_lookback"_a, "salt"_a, "error_limit"_a, "key_bits"_a,
           "pool_chunk_bytes"_a, "copier"_a, "cuda_blocks"_a, "cuda_staging_bytes"_a, "cuda_path"_a,
           "pin_upfront"_a, "eviction"_a, "admission"_a, "tier"_a.none(), "tier_wait_us"_a,
           "tier_queue_pages"_a, "tier_buffer_bytes"_a, "tier_space"_a, "layer_segments"_a,
-          "prefill_tokens_per_s"_a, "prefill_seconds"_a.none())
+          "prefill_tokens_per_s"_a, "prefill_seconds"_a.none(), "state_device"_a = "cpu")
       .def("try_resume", &try_resume, "request_id"_a, "prompt"_a.noconvert(), "allocate"_a,
            "stream"_a, "state_out"_a.none(), "salt"_a.none(), "layerwise"_a.none() = nullptr)
       .def("store", &store, "request_id"_a, "tokens"_a.noconvert(), "block_ids"_a.noconvert(),

@@ -54,6 +54,7 @@ constexpr std::size_t kLayerDmaMinChunk = std::size_t{128} << 10;
 
 CopyPath choose_path(const PageLayout& layout, const CudaCopierOptions& opt) {
   if (opt.path != CopyPath::kAuto) return opt.path;
+  if (layout.segments().empty()) return CopyPath::kDma;  // state only: no pages to copy
   std::int64_t smallest = layout.segments().front().block_bytes;
   for (const auto& sg : layout.segments()) smallest = std::min(smallest, sg.block_bytes);
   if (static_cast<std::size_t>(smallest) >= kDmaMinChunk) return CopyPath::kDma;

@@ -161,6 +161,16 @@ HostPrefixCache::HostPrefixCache(std::vector<Segment> segments, Device device, C
              }),
       catalog_({config_.capacity_pages, config_.eviction, config_.admission}),
       states_(config_.state_bytes > 0 ? config_.capacity_states : 0) {
+  if (mover_.layout().segments().empty()) {
+    if (config_.state_bytes == 0) {
+      throw std::invalid_argument(
+          "at least one KV segment is required (a cache without segments stores states alone: "
+          "give state_bytes and capacity_states)");
+    }
+    if (tier_gate_) {
+      throw std::invalid_argument("a state-only cache (no segments) has no pages for a tier");
+    }
+  }
   if (!config_.layer_segments.empty()) {
     const std::size_t n = mover_.layout().segments().size();
     layer_starts_.push_back(0);

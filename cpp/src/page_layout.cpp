@@ -8,7 +8,7 @@ namespace hicache {
 
 PageLayout::PageLayout(std::vector<Segment> segments, Device device)
     : segments_(std::move(segments)), device_(device) {
-  if (segments_.empty()) throw std::invalid_argument("at least one KV segment is required");
+  if (segments_.empty()) return;  // state only
   num_blocks_ = segments_[0].num_blocks;
   for (std::size_t i = 0; i < segments_.size(); ++i) {
     const Segment& s = segments_[i];
@@ -32,6 +32,7 @@ PageLayout::PageLayout(std::vector<Segment> segments, Device device)
 
 void PageLayout::check_blocks(std::span<const std::int64_t> blocks, bool require_unique,
                               std::string_view what) const {
+  if (segments_.empty()) return;  // state only: pages have no blocks
   for (std::int64_t b : blocks) {
     if (b < 0 || b >= num_blocks_) {
       throw std::out_of_range(std::string(what) + ": block id " + std::to_string(b) +

@@ -42,8 +42,10 @@ SlotMover::SlotMover(
   // Pinning is slow (10-25 GB/s on an H200 host): at construction, or from construction on in
   // the background.
   const auto growth = HostPool::growth_for(*memory, pin_in_background);
-  pool_ = std::make_unique<HostPool>(layout_.page_bytes() + slot_extra_bytes, num_slots,
-                                     chunk_bytes, std::move(memory), growth);
+  // A state-only layout's pages hold nothing: one byte a slot keeps the pool's arithmetic.
+  pool_ =
+      std::make_unique<HostPool>(std::max<std::size_t>(layout_.page_bytes() + slot_extra_bytes, 1),
+                                 num_slots, chunk_bytes, std::move(memory), growth);
 }
 
 SlotMover::~SlotMover() {
@@ -80,7 +82,7 @@ std::int64_t SlotMover::submit(Direction dir, std::span<const std::int64_t> slot
     moves[i] = {blocks[i], host};
   }
   std::lock_guard<std::mutex> g(mu_);
-  if (!moves.empty()) copier_->copy_pages(dir, layout_, moves, stream);
+  if (!moves.empty() && layout_.page_bytes() > 0) copier_->copy_pages(dir, layout_, moves, stream);
   Job job{next_job_++, copier_->record(stream)};
   jobs_.push_back(std::move(job));
   return jobs_.back().id;

@@ -31,7 +31,10 @@ class HostPrefixCache:
         segments: the engine's KV tensors, first dimension = block id, every block contiguous.
             One tensor is a page-major pool; several (per-layer K and V, MLA latents) are
             layer-major. All on one device. They must outlive the cache; the cache keeps a
-            reference to each.
+            reference to each. ``[]`` with ``state_bytes``: a state-only cache, for models
+            without full-attention layers (Mamba, every layer a sliding window): its pages index
+            the prompt and hold no bytes, ``allocate`` and ``block_ids`` may be None, and
+            ``state_device`` says where the states live.
         block_tokens: tokens per engine block (= per host page).
         capacity_pages: host pages to keep. Give this or ``host_bytes``.
         host_bytes: host memory for pages, in bytes (rounded down to whole pages).
@@ -97,6 +100,8 @@ class HostPrefixCache:
             counted in ``hits_trimmed`` and ``pages_recomputed``; until a load was measured, hits
             are served whole. Layer-wise, the load counts as overlapped with the prefill.
         key_bits: tests only; fewer than 128 bits force hash collisions.
+        state_device: a state-only cache's device, ``"cpu"`` (default) or ``"cuda:N"``; ignored
+            when there are segments (theirs is the cache's device).
 
     Raises:
         ValueError / TypeError: a bad segment or keyword, named in the message. Host memory is
@@ -133,6 +138,7 @@ class HostPrefixCache:
         prefill_tokens_per_s: float | None = None,
         prefill_seconds: Callable[[int, int], float] | None = None,
         key_bits: int = 128,
+        state_device: Any = None,
     ) -> None:
         if segments is None or isinstance(segments, (str, bytes)):
             raise TypeError(
@@ -146,14 +152,26 @@ class HostPrefixCache:
                 raise TypeError(
                     f"segments must be a tensor or a sequence of tensors, not {_arrays.show(segments)}"
                 ) from None
-        if not segs:
-            raise ValueError("segments: at least one KV segment is required")
         i64 = 2**63 - 1
         block_tokens = _arrays.int_arg("block_tokens", block_tokens, 1, i64)
         if (capacity_pages is None) == (host_bytes is None):
             raise ValueError("give exactly one of capacity_pages and host_bytes")
         keep_tokens = _arrays.int_arg("keep_tokens", keep_tokens, 1, i64)
         state_parts = _state_parts(state_bytes)
+        device = "cpu" if state_device is None else str(state_device)
+        if not segs:
+            if sum(state_parts) == 0:
+                raise ValueError(
+                    "segments: at least one KV segment is required (a model without full-attention "
+                    "layers passes [] with state_bytes: a state-only cache)"
+                )
+            if host_bytes is not None:
+                raise ValueError(
+                    "a state-only cache (no segments) takes capacity_pages (its index entries, "
+                    "no bytes each), not host_bytes; capacity_states sizes its memory"
+                )
+            if device == "cuda":
+                device = "cuda:0"
         capacity_states = _arrays.int_arg("capacity_states", capacity_states, 0, i64)
         state_lookback = _arrays.int_arg("state_lookback", state_lookback, 0, i64)
         error_limit = _arrays.int_arg("error_limit", error_limit, 1, i64)
@@ -219,6 +237,9 @@ class HostPrefixCache:
             seconds = functools.partial(_arrays.call_back, fn, "prefill_seconds")
 
         self._segments = segs
+        # Whose device picks the default stream (torch's current one for CUDA tensors).
+        self._stream_of = segs or _device_marker(device)
+        self._state_only = not segs
         # Torch lets an engine reallocate a tensor in place (resize_, set_): the cache would then
         # copy through a dangling pointer. Every call that copies first checks that each segment
         # still points where it did (one data_ptr() a segment: ~6 us for 128 segments).
@@ -251,11 +272,16 @@ class HostPrefixCache:
             layer_segments,
             rate,
             seconds,
+            device,
         )
         self.block_tokens = block_tokens
         self.layers = len(layer_segments)
         self.state_parts = state_parts
         self.state_bytes = sum(state_parts)
+
+    def _no_blocks(self, tokens: int) -> list[int]:
+        """A state-only cache's block ids: placeholders, one a page (its pages hold no bytes)."""
+        return [0] * (tokens // self.block_tokens)
 
     def _check_segments(self) -> None:
         if self._segment_tensors and [*map(_data_ptr, self._segment_tensors)] != self._segment_ptrs:
@@ -348,8 +374,10 @@ class HostPrefixCache:
         """try_resume's arguments checked, then the core's call (layer by layer with a load)."""
         rid = _arrays.as_request_id(request_id)
         tokens = _arrays.as_tokens(prompt, "prompt")
+        if allocate is None and self._state_only:
+            allocate = self._no_blocks
         _arrays.callable_arg("allocate", allocate, "tokens -> block ids or None")
-        handle = _arrays.stream_handle(stream, self._segments)
+        handle = _arrays.stream_handle(stream, self._stream_of)
         out = None if state_out is None else _state_capsules(state_out, "state_out", writable=True)
         chain_salt = _arrays.as_salt(salt)
 
@@ -393,8 +421,10 @@ class HostPrefixCache:
         """
         rid = _arrays.as_request_id(request_id)
         toks = _arrays.as_tokens(tokens, "tokens")
+        if block_ids is None and self._state_only:
+            block_ids = self._no_blocks(len(toks))
         blocks = _arrays.as_block_ids(block_ids)
-        handle = _arrays.stream_handle(stream, self._segments)
+        handle = _arrays.stream_handle(stream, self._stream_of)
         chain_salt = _arrays.as_salt(salt)
         export = None
         if state_export is not None:
@@ -587,3 +617,13 @@ def _state_capsules(state: Any, what: str, *, writable: bool) -> list[Any]:
     if isinstance(state, (list, tuple)):
         return [_arrays.dlpack_arg(t, f"{what} part {i}", writable=writable) for i, t in enumerate(state)]
     return [_arrays.dlpack_arg(state, what, writable=writable)]
+
+
+def _device_marker(device: str) -> list[Any]:
+    """For a state-only cache on CUDA: a tensor on that device, whose current stream is the
+    default one (a cache with segments uses its first segment)."""
+    if not device.startswith("cuda"):
+        return [None]
+    import torch
+
+    return [torch.empty(0, device=device)]

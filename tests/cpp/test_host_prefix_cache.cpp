@@ -290,6 +290,34 @@ TEST(HostPrefixCache, AStateOfSeveralPartsComesBackPartByPart) {
   EXPECT_THROW(HostPrefixCache(eng.segments(), {}, bad), std::invalid_argument);
 }
 
+TEST(HostPrefixCache, AStateOnlyCacheIndexesPagesOfNoBytes) {
+  // A model without full-attention layers (Mamba, every layer a sliding window): no segments.
+  CacheConfig c = small_config(64);
+  c.state_bytes = 16;
+  c.capacity_states = 2;
+  c.state_lookback = 1;
+  HostPrefixCache cache({}, {}, c);
+  std::vector<std::uint8_t> staging(16, 0x3C);
+  auto exporter = [&](std::int64_t) -> std::optional<hicache::DeviceBuffer> {
+    return hicache::DeviceBuffer{staging.data(), staging.size(), {}};
+  };
+  // Block ids are placeholders (one a page, any value): no block holds anything.
+  const std::vector<std::int64_t> placeholders = {0, 0};
+  EXPECT_EQ(cache.store("a", tokens(40), placeholders, nullptr, exporter), 2);
+  cache.poll();
+  std::vector<std::uint8_t> out(16, 0);
+  hicache::DeviceBuffer out_buf{out.data(), out.size(), {}};
+  EXPECT_EQ(cache.try_resume("b", tokens(40), give({0, 0}), nullptr, out_buf), 32);
+  EXPECT_EQ(out, staging);
+  auto other = tokens(40);
+  other[20] = -1;  // page 1 differs: its state is not served for page 0's boundary (none there)
+  EXPECT_EQ(cache.try_resume("c", other, give(ids(0, 1)), nullptr, out_buf), 0);
+  EXPECT_LT(cache.stats().host_bytes, 32 << 10);  // 64 pages of one 64-byte slot, the states
+
+  CacheConfig none = small_config(4);  // neither segments nor state: nothing to keep
+  EXPECT_THROW(HostPrefixCache({}, {}, none), std::invalid_argument);
+}
+
 TEST(HostPrefixCache, DeferredAllocationReturnsMinusOneAndReleasesThePages) {
   FakeEngine eng(4, {64});
   HostPrefixCache cache(eng.segments(), {}, small_config(2));

@@ -25,8 +25,10 @@ struct Segment {
 
 class PageLayout {
  public:
-  /// @throws std::invalid_argument if there are no segments, a base is null, sizes are not
-  ///         positive, a stride is smaller than the block, or segments disagree on num_blocks.
+  /// No segments: a state-only layout (a model without full-attention layers). Its pages hold
+  /// no bytes and no block ids are checked; the cache keeps its index for the states.
+  /// @throws std::invalid_argument if a base is null, sizes are not positive, a stride is
+  ///         smaller than the block, or segments disagree on num_blocks.
   PageLayout(std::vector<Segment> segments, Device device);
 
   const std::vector<Segment>& segments() const { return segments_; }

@@ -80,7 +80,7 @@ class SlotMover {
   /// Enqueues page copies between host addresses (of this pool's slots) and blocks, without a
   /// job. @throws as Copier::copy_pages.
   void copy(Direction dir, std::span<const PageMove> moves, StreamHandle stream) {
-    copier_->copy_pages(dir, layout_, moves, stream);
+    if (layout_.page_bytes() > 0) copier_->copy_pages(dir, layout_, moves, stream);
   }
 
  private:
