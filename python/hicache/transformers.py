@@ -101,10 +101,22 @@ class ModelLayout:
 
 # Cache layer classes and what of them the adapter moves. Order matters: the combined classes
 # derive from both of their halves.
+# Older releases (before 5.2x) lack some of them: their hybrid models keep their own cache
+# classes, which describe() refuses by name.
+
+
+class _Absent:
+    """Stands for a cache layer class this transformers release does not have."""
+
+
+def _layer_class(name: str) -> type:
+    return getattr(cache_utils, name, _Absent)
+
+
 _SLIDING = cache_utils.DynamicSlidingWindowLayer
 _FULL = cache_utils.DynamicLayer
-_LINEAR = cache_utils.LinearAttentionLayer
-_DUMMY = cache_utils.DummyLayer
+_LINEAR = _layer_class("LinearAttentionLayer")
+_DUMMY = _layer_class("DummyLayer")
 _REFUSED: dict[str, str] = {
     "DynamicIndexedLayer": "a sparse-attention indexer cache (its indexer keys are not stored)",
     "StaticLayer": "a static cache (pass a model that uses DynamicCache)",
@@ -163,7 +175,7 @@ def describe(model: Any, block_tokens: int = 16) -> ModelLayout:
     for i, layer in enumerate(cache.layers):
         name = type(layer).__name__
         kinds.append(name)
-        if name in _REFUSED or isinstance(layer, cache_utils.QuantizedLayer):
+        if name in _REFUSED or isinstance(layer, _layer_class("QuantizedLayer")):
             why = _REFUSED.get(name, "a quantized cache")
             raise UnsupportedModelError(f"{family}: layer {i} is a {name}, {why}; not supported")
         if type(layer) not in _KNOWN_CLASSES:
@@ -190,19 +202,27 @@ def describe(model: Any, block_tokens: int = 16) -> ModelLayout:
                 raise UnsupportedModelError(f"{family}: layer {i} ({name}) held nothing after a forward pass")
             k, v = layer.keys, layer.values
             paged.append(PagedLayer(i, (k.shape[1], k.shape[3]), (v.shape[1], v.shape[3]), k.dtype))
+    if not paged and not parts:
+        raise UnsupportedModelError(
+            f"{family}: its {type(cache).__name__} held nothing after a forward pass "
+            "(this transformers release keeps the model's cache elsewhere)"
+        )
     tokenwise = any(type(m).__name__ in _TOKENWISE_MIXERS for m in model.modules())
     return ModelLayout(family, tuple(paged), tuple(parts), tuple(kinds), tokenwise)
 
 
 _TOKENWISE_MIXERS = {"MambaMixer", "FalconMambaMixer", "JambaMambaMixer", "ZambaMambaMixer"}
 
-_KNOWN_CLASSES = (
-    cache_utils.DummyLayer,
-    cache_utils.LinearAttentionLayer,
-    cache_utils.DynamicLayer,
-    cache_utils.DynamicSlidingWindowLayer,
-    cache_utils.LinearAttentionAndFullAttentionLayer,
-    cache_utils.LinearAttentionAndSlidingWindowAttentionLayer,
+_KNOWN_CLASSES = tuple(
+    _layer_class(name)
+    for name in (
+        "DummyLayer",
+        "LinearAttentionLayer",
+        "DynamicLayer",
+        "DynamicSlidingWindowLayer",
+        "LinearAttentionAndFullAttentionLayer",
+        "LinearAttentionAndSlidingWindowAttentionLayer",
+    )
 )
 
 

@@ -269,3 +269,57 @@ def make_model(family: str, device: str = "cpu", dtype: torch.dtype = torch.floa
     with torch.device(device):
         model = transformers.AutoModelForCausalLM.from_config(cfg)
     return model.to(dtype).eval()
+
+
+def main() -> None:
+    """One line a family: a 3-turn conversation through hicache.transformers.PrefixCache.generate
+    against plain generate (``python tests/py/hf_families.py --device cuda --dtype bfloat16``)."""
+    import argparse
+    import json
+
+    from hicache.transformers import PrefixCache, UnsupportedModelError
+
+    ap = argparse.ArgumentParser(description=main.__doc__)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    args = ap.parse_args()
+    transformers.logging.set_verbosity_error()
+    for name in FAMILIES:
+        row: dict[str, Any] = {"family": name, "transformers": transformers.__version__, "dtype": args.dtype}
+        try:
+            model = make_model(name, args.device, getattr(torch, args.dtype))
+            pc = PrefixCache(model, capacity_pages=64, block_tokens=16)
+        except (AttributeError, UnsupportedModelError) as e:
+            print(json.dumps({**row, "unsupported": str(e)[:200]}))
+            continue
+        g = torch.Generator().manual_seed(1)
+        history: list[int] = []
+        row.update(served=[], identical=[], max_logit_diff=[])
+        for n in (87, 35, 44):
+            prompt = history + torch.randint(0, 256, (n,), generator=g).tolist()
+            outs = []
+            for fn in (model.generate, pc.generate):
+                ids = torch.tensor([prompt], device=args.device)
+                outs.append(
+                    fn(
+                        ids,
+                        attention_mask=torch.ones_like(ids),
+                        max_new_tokens=6,
+                        do_sample=False,
+                        output_logits=True,
+                        return_dict_in_generate=True,
+                        pad_token_id=0,
+                    )
+                )
+            ref, got = outs
+            new = got.sequences[0, len(prompt) :].tolist()
+            row["served"].append(pc.last_served)
+            row["identical"].append(new == ref.sequences[0, len(prompt) :].tolist())
+            diff = (torch.stack(got.logits) - torch.stack(ref.logits)).float().abs().max()
+            row["max_logit_diff"].append(round(float(diff), 6))
+            history = prompt + new
+        print(json.dumps(row))
+
+
+if __name__ == "__main__":
+    main()

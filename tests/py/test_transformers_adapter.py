@@ -69,9 +69,22 @@ def run(pc: Any, model: Any) -> list[dict[str, Any]]:
     return turns
 
 
+# The release the test command installs: every family must work there. Another release (the
+# GPU host's image) may keep some families' state in cache classes of their own; those are
+# refused by name, and skipped here with that message.
+PINNED = "5.24.0"
+
+
 @pytest.fixture(scope="module", params=list(FAMILIES))
 def family(request: Any) -> tuple[str, Any]:
-    return request.param, make_model(request.param)
+    model = make_model(request.param)
+    try:
+        hct.describe(model, B)
+    except hct.UnsupportedModelError as e:
+        if transformers.__version__ == PINNED:
+            raise
+        pytest.skip(f"transformers {transformers.__version__}: {e}")
+    return request.param, model
 
 
 def test_generate_matches_plain_generate(family: tuple[str, Any]) -> None:
@@ -147,7 +160,7 @@ def test_negative_controls(family: tuple[str, Any]) -> None:
         def no_flag(pc: Any, rebuild: Any, pos: int, st: Any) -> Any:
             cache = rebuild(pos, st)
             for layer in cache.layers:
-                if isinstance(layer, transformers.cache_utils.LinearAttentionLayer):
+                if isinstance(layer, hct._LINEAR):
                     layer.has_previous_state = dict.fromkeys(layer.has_previous_state, False)
             return cache
 
@@ -165,6 +178,7 @@ def test_negative_controls(family: tuple[str, Any]) -> None:
         assert diff > 1e-3, f"{name}: {what} changed the logits by {diff} only"
 
 
+@pytest.mark.skipif(transformers.__version__ != PINNED, reason=f"the layouts of transformers {PINNED}")
 def test_layouts_found() -> None:
     """What the adapter reads from each family (pins the families' mixes)."""
     kinds = {}
@@ -182,6 +196,7 @@ def test_layouts_found() -> None:
     }
 
 
+@pytest.mark.skipif(transformers.__version__ != PINNED, reason=f"transformers {PINNED}'s Mamba-1 code")
 @pytest.mark.parametrize("name", ["mamba", "jamba"])
 def test_mamba1_continues_one_token_at_a_time(name: str) -> None:
     """Why the adapter prefills Mamba-1 families one token at a time after a cached state:
@@ -203,6 +218,10 @@ def test_mamba1_continues_one_token_at_a_time(name: str) -> None:
     assert hct.describe(model, B).tokenwise
 
 
+@pytest.mark.skipif(
+    not hasattr(transformers.cache_utils, "DynamicIndexedLayer"),
+    reason="no DynamicIndexedLayer in this release",
+)
 def test_unsupported_layers_named(monkeypatch: pytest.MonkeyPatch) -> None:
     model = make_model("llama")
     n = model.config.num_hidden_layers
