@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import atexit
 import functools
 import operator
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
@@ -22,6 +24,19 @@ CopierKind = Literal["auto", "cpu", "cuda", "deferred", "null"]
 Eviction = Literal["leaf-first", "lru"]
 Admission = Literal["adaptive", "second-sighting", "always"]
 CudaPath = Literal["auto", "dma", "staged", "kernel"]
+
+# Caches with a tier, closed before the interpreter finalizes. Their tier thread calls the tier
+# (a Python one, or Mooncake's client) holding the GIL: a thread that asks for the GIL once
+# finalization began is ended by CPython through a forced unwind, which std::terminate()s the
+# process ("terminate called without an active exception", measured in 4 of 12 runs of a
+# script that ends with its cache alive). Closing them at exit joins that thread first.
+_with_tier: weakref.WeakSet[HostPrefixCache] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_tiered_caches() -> None:
+    for cache in list(_with_tier):
+        cache.__dict__.pop("_core", None)  # the last reference: the core joins its threads
 
 
 class HostPrefixCache:
@@ -44,7 +59,12 @@ class HostPrefixCache:
             window's K and V, in any dtypes), the bytes of each tensor in order: the cache keeps
             them back to back, and ``state_out`` / ``state_export`` take or give that list.
         capacity_states: host state slots (required when ``state_bytes > 0``).
-        state_lookback: ``store`` saves states at this many of the last block boundaries.
+        state_lookback: ``store`` saves states at this many block boundaries of the prompt: the
+            last one and every ``state_stride``-th before it. A prompt that branches off a
+            stored one resumes at the last of them inside the pages they share, or gets nothing.
+        state_stride: blocks between those boundaries; None (default): 512 tokens' worth (at
+            least one block). On the shipped traces branches start 1-4 times 512 tokens before
+            an earlier prompt's end (``docs/hybrid.md``).
         salt: namespace of every chain unless a call passes its own (tenants never share).
         error_limit: consecutive cache failures after which the cache disables itself.
         copier: ``"auto"`` (CUDA for CUDA segments, else CPU), ``"cpu"``, ``"cuda"``,
@@ -119,7 +139,8 @@ class HostPrefixCache:
         keep_tokens: int = 1,
         state_bytes: int | Sequence[int] = 0,
         capacity_states: int = 0,
-        state_lookback: int = 2,
+        state_lookback: int = 4,
+        state_stride: int | None = None,
         salt: bytes | str = b"",
         error_limit: int = 8,
         copier: CopierKind = "auto",
@@ -158,7 +179,7 @@ class HostPrefixCache:
             raise ValueError("give exactly one of capacity_pages and host_bytes")
         keep_tokens = _arrays.int_arg("keep_tokens", keep_tokens, 1, i64)
         state_parts = _state_parts(state_bytes)
-        device = "cpu" if state_device is None else str(state_device)
+        device = _state_device(state_device)
         if not segs:
             if sum(state_parts) == 0:
                 raise ValueError(
@@ -170,10 +191,9 @@ class HostPrefixCache:
                     "a state-only cache (no segments) takes capacity_pages (its index entries, "
                     "no bytes each), not host_bytes; capacity_states sizes its memory"
                 )
-            if device == "cuda":
-                device = "cuda:0"
         capacity_states = _arrays.int_arg("capacity_states", capacity_states, 0, i64)
         state_lookback = _arrays.int_arg("state_lookback", state_lookback, 0, i64)
+        state_stride = 0 if state_stride is None else _arrays.int_arg("state_stride", state_stride, 1, i64)
         error_limit = _arrays.int_arg("error_limit", error_limit, 1, i64)
         key_bits = _arrays.int_arg("key_bits", key_bits, 1, 128)
         cuda_blocks = _arrays.int_arg("cuda_blocks", cuda_blocks, 1, 1024)
@@ -253,6 +273,7 @@ class HostPrefixCache:
             state_parts,
             capacity_states,
             state_lookback,
+            state_stride,
             salt_bytes,
             error_limit,
             key_bits,
@@ -274,6 +295,8 @@ class HostPrefixCache:
             seconds,
             device,
         )
+        if tier is not None:
+            _with_tier.add(self)
         self.block_tokens = block_tokens
         self.layers = len(layer_segments)
         self.state_parts = state_parts
@@ -627,3 +650,19 @@ def _device_marker(device: str) -> list[Any]:
     import torch
 
     return [torch.empty(0, device=device)]
+
+
+def _state_device(device: Any) -> str:
+    """``state_device`` as the core's "cpu" or "cuda:N" (a str or a torch.device)."""
+    if device is None:
+        return "cpu"
+    if hasattr(device, "type") and hasattr(device, "index") and not isinstance(device, str):
+        device = device.type if device.index is None else f"{device.type}:{device.index}"
+    if not isinstance(device, str):
+        raise TypeError(f"state_device must be 'cpu', 'cuda:N' or a torch.device, not {_arrays.show(device)}")
+    if device == "cuda":
+        return "cuda:0"
+    head, _, index = device.partition(":")
+    if device != "cpu" and not (head == "cuda" and index.isdigit() and index.isascii()):
+        raise ValueError(f"state_device must be 'cpu' or 'cuda:N', not {device!r}")
+    return device

@@ -193,7 +193,8 @@ class ReferenceCache:
         keep_tokens: int = 1,
         state_bytes: int = 0,
         capacity_states: int = 0,
-        state_lookback: int = 2,
+        state_lookback: int = 4,
+        state_stride: int | None = None,
         salt: bytes = b"",
         copier: str = "cpu",
         key_bits: int = 128,
@@ -205,6 +206,7 @@ class ReferenceCache:
         self.keep_tokens = keep_tokens
         self.state_bytes = state_bytes
         self.state_lookback = state_lookback
+        self.state_stride = state_stride or max(1, 512 // block_tokens)
         self.salt = salt
         self.deferred = copier == "deferred"
         self.key_bits = key_bits
@@ -492,7 +494,7 @@ class ReferenceCache:
             if self.state_bytes > 0 and state_export is not None:
                 serials = [e.serial for e in chain]
                 for j in range(self.state_lookback):
-                    idx = n_full - 1 - j
+                    idx = n_full - 1 - j * self.state_stride
                     if idx < 0:
                         break
                     if idx >= len(serials):

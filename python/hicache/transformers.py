@@ -264,9 +264,9 @@ class PrefixCache:
         block_tokens: tokens per page and per prefill chunk of the stored boundaries.
         max_tokens: the longest prefix served or stored; the adapter's device staging blocks
             hold that many tokens of every full-attention layer.
-        chunk_tokens: the prefill before the last ``state_lookback`` boundaries runs in chunks
-            of this many tokens (a multiple of ``block_tokens``); the last boundaries run one
-            block a chunk, to take their states.
+        chunk_tokens: the prefill runs in chunks of this many tokens (a multiple of
+            ``block_tokens``), cut also at each boundary whose state is stored (the last one and
+            every ``state_stride`` blocks before it, ``state_lookback`` of them).
         **options: passed to :class:`hicache.HostPrefixCache` (``state_lookback``, ``salt``,
             ``tier``, ``admission``...).
     """
@@ -307,7 +307,9 @@ class PrefixCache:
                 shape = (self.max_blocks, block_tokens, heads, dim)
                 self.staging.append(torch.zeros(shape, dtype=p.dtype, device=self.device))
         parts = self.layout.parts
-        self.state_lookback = int(options.get("state_lookback", 2))
+        # The boundaries whose states store() asks for (the core's defaults unless given).
+        self.state_lookback = int(options.get("state_lookback", 4))
+        self.state_stride = int(options.get("state_stride") or max(1, 512 // block_tokens))
         sizes: dict[str, Any] = {"capacity_pages": capacity_pages, "host_bytes": host_bytes}
         if not self.layout.paged:
             # State only (Mamba, every layer a sliding window): pages index the prompt and hold
@@ -439,31 +441,37 @@ class PrefixCache:
     def _prefill(
         self, ids: list[int], start: int, end: int, stop: int, cache: Any
     ) -> dict[int, list[torch.Tensor]]:
-        """Forward ``ids[start:stop]``; returns the states at the last ``state_lookback``
-        boundaries up to ``end`` (the stored part)."""
-        B = self.block_tokens
-        snap_from = max(start, end - self.state_lookback * B) if self.layout.parts else end
+        """Forward ``ids[start:stop]``; returns the states at the boundaries up to ``end`` (the
+        stored part) that ``store`` asks for."""
+        wanted = self._snapshot_positions(start, end)
         t = torch.tensor(ids[:stop], dtype=torch.long, device=self.device)
         snapshots: dict[int, list[torch.Tensor]] = {}
         for c0, c1 in itertools.pairwise(self.cuts(start, end, stop)):
             _forward(self.model, t[c0:c1], cache)
-            if self.layout.parts and snap_from < c1 <= end and c1 % B == 0:
+            if c1 in wanted:
                 snapshots[c1] = self._state_of(cache)
         return snapshots
 
+    def _snapshot_positions(self, start: int, end: int) -> set[int]:
+        """Where store() will ask for a state: ``end`` and every ``state_stride`` blocks back,
+        ``state_lookback`` of them, past ``start`` (earlier ones were stored before)."""
+        if not self.layout.parts or end <= start:
+            return set()
+        step = self.state_stride * self.block_tokens
+        return {p for j in range(self.state_lookback) if (p := end - j * step) > start}
+
     def cuts(self, start: int, end: int, stop: int) -> list[int]:
-        """The chunk boundaries of a prefill of ``[start, stop)`` that stores ``[0, end)``: chunks
-        of ``chunk_tokens``, then one block a chunk over the last ``state_lookback`` blocks (one
-        token a chunk after a fresh first chunk, for a family that needs it). A run without the
-        adapter that prefills at these boundaries computes the same logits, bit for bit."""
-        B = self.block_tokens
-        snap_from = max(start, end - self.state_lookback * B) if self.layout.parts else end
+        """The chunk boundaries of a prefill of ``[start, stop)`` that stores ``[0, end)``: every
+        ``chunk_tokens`` and at each boundary whose state is stored (one token a chunk after a
+        fresh first chunk, for a family that needs it). A run without the adapter that prefills
+        at these boundaries computes the same logits, bit for bit."""
+        wanted = self._snapshot_positions(start, end)
         if self.layout.tokenwise:
             # A fresh prefill is exact; every continuation runs one token at a time.
-            first = min(max(snap_from, B), stop) if start == 0 else start
+            first = min(min(wanted, default=stop), stop) if start == 0 else start
             cuts = {start, first, *range(first, stop + 1)}
         else:
-            cuts = {start, stop, *range(start, snap_from, self.chunk_tokens), *range(snap_from, end + 1, B)}
+            cuts = {start, stop, *range(start, stop, self.chunk_tokens), *wanted}
         return sorted(c for c in cuts if start <= c <= stop)
 
     def _state_of(self, cache: Any) -> list[torch.Tensor]:

@@ -137,6 +137,7 @@ TEST(Concurrency, HybridHitsServeExactlyTheirPrefixsPagesAndStateUnderEightThrea
   c.state_bytes = kStateBytes;
   c.capacity_states = 8;  // far fewer than the prefixes in play: states are evicted constantly
   c.state_lookback = 3;
+  c.state_stride = 1;
   HostPrefixCache cache(eng.segments(), {}, c);
   Outcome out;
   std::vector<std::thread> threads;
@@ -164,6 +165,8 @@ TEST(Concurrency, TheHarnessCatchesAStateOfAnotherPosition) {
   c.capacity_pages = 24;
   c.state_bytes = kStateBytes;
   c.capacity_states = 8;
+  c.state_lookback = 2;
+  c.state_stride = 1;
   HostPrefixCache cache(eng.segments(), {}, c);
   Outcome out;
   engine_thread(cache, eng, 0, 400, out, /*skew=*/kBlockTokens);

@@ -29,8 +29,14 @@ struct CacheConfig {
   std::vector<std::int64_t> state_parts;
   /// Host state slots.
   std::int64_t capacity_states = 0;
-  /// store() saves states at this many of the prompt's last block boundaries.
-  std::int64_t state_lookback = 2;
+  /// store() saves states at this many of the prompt's block boundaries: the last one and, going
+  /// back, every state_stride-th before it. A prompt that branches off an earlier one resumes at
+  /// the last of these within the pages they share (none within: nothing is served).
+  std::int64_t state_lookback = 4;
+  /// Blocks between the boundaries whose states store() saves. 0 (the default): as many blocks
+  /// as make 512 tokens (at least one); on the shipped traces a branch off an earlier prompt
+  /// starts 1-4 times 512 tokens before its end (see docs/hybrid.md).
+  std::int64_t state_stride = 0;
   /// Root of every chain unless a call passes its own (tenant namespace).
   std::string salt;
   /// Consecutive cache failures after which the cache disables itself.

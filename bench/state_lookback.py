@@ -1,0 +1,141 @@
+"""What ``state_lookback`` buys and costs: hits of branching prompts on a hybrid model.
+
+A hybrid model resumes only at a block boundary that has a stored state, and ``store`` keeps
+states at the last ``state_lookback`` boundaries of each prompt. A prompt that extends an earlier
+one (the next turn of a conversation, an agent's next step) resumes at the earlier prompt's last
+boundary whatever the lookback. A prompt that branches off ``d`` tokens before the end of an
+earlier one (an edited message, a retried tool call, another sample from a shared prompt) gets
+its shared pages only if a state lies within them: with ``d`` past ``state_lookback`` blocks it
+gets nothing, with a larger lookback it gets the pages down to the boundary below the branch.
+
+Two measurements:
+
+- ``python bench/state_lookback.py model``: a base prompt then a branch of it, for each lookback,
+  stride and branch distance, through ``hicache.transformers.PrefixCache`` (a tiny random-weight
+  Qwen3-Next, gated delta nets and full attention, on the CPU): the tokens served against the
+  pages the two prompts share.
+- ``python bench/state_lookback.py trace FILE``: a Mooncake trace (``hash_ids`` one per
+  512-token block) replayed in file order through an index of unbounded pages and an LRU of
+  ``--states`` state slots, an engine of ``--block-tokens`` blocks storing states the way
+  ``store`` does: the share of prompt tokens served for each (lookback, stride). A request shares
+  with earlier ones what the trace says (whole 512-token blocks), so a state must lie on or below
+  a shared 512-token boundary to be served.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+
+import torch
+import transformers
+
+from hicache.transformers import PrefixCache
+
+
+def tiny_qwen3_next() -> object:
+    torch.manual_seed(0)
+    cfg = transformers.Qwen3NextConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=32,
+        num_experts=4,
+        num_experts_per_tok=2,
+        num_hidden_layers=4,
+        head_dim=16,
+        linear_num_value_heads=4,
+        linear_num_key_heads=2,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        linear_conv_kernel_dim=4,
+        full_attention_interval=2,
+    )
+    return transformers.AutoModelForCausalLM.from_config(cfg).eval()
+
+
+def model_branches(args: argparse.Namespace) -> None:
+    transformers.logging.set_verbosity_error()
+    model = tiny_qwen3_next()
+    B = args.block_tokens
+    g = torch.Generator().manual_seed(1)
+    base = torch.randint(0, 256, (args.prompt,), generator=g).tolist()
+    for lookback, stride in _grid(args.grid):
+        row: dict[str, object] = {"state_lookback": lookback, "state_stride": stride}
+        for d in map(int, args.branches.split(",")):
+            pc = PrefixCache(
+                model, capacity_pages=1024, capacity_states=64, block_tokens=B,
+                state_lookback=lookback, state_stride=stride,
+            )  # fmt: skip
+            pc.prefill(base)
+            cut = args.prompt - d
+            branch = base[:cut] + [(t + 1) % 256 for t in base[cut:]]
+            pc.prefill([*branch, 0])  # the branch, plus a token of its own
+            row[f"d={d}"] = f"{pc.last_served}/{cut // B * B}"  # served / whole pages shared
+        row["states_a_prompt"] = pc.cache.stats().states_stored
+        row["state_bytes"] = pc.layout.state_bytes
+        print(json.dumps(row))
+
+
+def trace_replay(args: argparse.Namespace) -> None:
+    reqs = [json.loads(line) for line in open(args.file)]
+    E, T = args.block_tokens, 512
+    per = T // E  # engine blocks a trace block
+    total = sum(r["input_length"] for r in reqs)
+    for lookback, stride in _grid(args.grid):
+        row: dict[str, object] = {"state_lookback": lookback, "state_stride": stride}
+        for cap in map(int, args.states.split(",")):
+            present: set[int] = set()
+            states: collections.OrderedDict[tuple[int, int], None] = collections.OrderedDict()
+            served = 0
+            for r in reqs:
+                h, n = r["hash_ids"], r["input_length"]
+                shared = 0
+                while shared < min(len(h), n // T) and h[shared] in present:
+                    shared += 1
+                for b in range(min(shared * per, (n - 1) // E), 0, -1):
+                    key = (h[(b - 1) // per], (b - 1) % per)  # boundary b, named by its block
+                    if key in states:
+                        served += b * E
+                        states.move_to_end(key)
+                        break
+                present.update(h[: n // T])
+                for j in range(lookback):
+                    b = n // E - j * stride
+                    if b <= 0 or (b - 1) // per >= len(h):
+                        continue
+                    states[(h[(b - 1) // per], (b - 1) % per)] = None
+                    states.move_to_end((h[(b - 1) // per], (b - 1) % per))
+                    while len(states) > cap:
+                        states.popitem(last=False)
+            row[f"states={cap}"] = round(served / total, 3)
+        print(json.dumps(row), flush=True)
+
+
+def _grid(text: str) -> list[tuple[int, int]]:
+    return [(int(a), int(b)) for a, b in (x.split("x") for x in text.split(","))]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="what", required=True)
+    m = sub.add_parser("model", help="branches of one prompt through hicache.transformers")
+    m.add_argument("--block-tokens", type=int, default=16)
+    m.add_argument("--prompt", type=int, default=512, help="tokens of the base prompt")
+    m.add_argument("--grid", default="1x1,2x1,4x1,4x8,4x32", help="lookback x stride (blocks), ...")
+    m.add_argument("--branches", default="1,24,40,72,136,264", help="where branches differ, from the end")
+    t = sub.add_parser("trace", help="a Mooncake trace through an index of pages and an LRU of states")
+    t.add_argument("file")
+    t.add_argument("--block-tokens", type=int, default=128, help="the engine's block (a divisor of 512)")
+    t.add_argument("--grid", default="1x1,2x1,4x1,8x1,16x1,4x4,8x4")
+    t.add_argument("--states", default="1000,4000,1000000000", help="state slots, comma-separated")
+    args = ap.parse_args()
+    (model_branches if args.what == "model" else trace_replay)(args)
+
+
+if __name__ == "__main__":
+    main()
