@@ -10,16 +10,16 @@ gets nothing, with a larger lookback it gets the pages down to the boundary belo
 
 Two measurements:
 
-- ``python bench/state_lookback.py model``: a base prompt then a branch of it, for each lookback,
-  stride and branch distance, through ``hicache.transformers.PrefixCache`` (a tiny random-weight
+- ``python bench/state_lookback.py model``: a base prompt then a branch of it, for each lookback
+  and branch distance, through ``hicache.transformers.PrefixCache`` (a tiny random-weight
   Qwen3-Next, gated delta nets and full attention, on the CPU): the tokens served against the
   pages the two prompts share.
 - ``python bench/state_lookback.py trace FILE``: a Mooncake trace (``hash_ids`` one per
   512-token block) replayed in file order through an index of unbounded pages and an LRU of
   ``--states`` state slots, an engine of ``--block-tokens`` blocks storing states the way
-  ``store`` does: the share of prompt tokens served for each (lookback, stride). A request shares
-  with earlier ones what the trace says (whole 512-token blocks), so a state must lie on or below
-  a shared 512-token boundary to be served.
+  ``store`` does (or, to compare, N states S blocks apart): the share of prompt tokens served.
+  A request shares with earlier ones what the trace says (whole 512-token blocks), so a state
+  must lie on or below a shared 512-token boundary to be served.
 """
 
 from __future__ import annotations
@@ -64,19 +64,18 @@ def model_branches(args: argparse.Namespace) -> None:
     B = args.block_tokens
     g = torch.Generator().manual_seed(1)
     base = torch.randint(0, 256, (args.prompt,), generator=g).tolist()
-    for lookback, stride in _grid(args.grid):
-        row: dict[str, object] = {"state_lookback": lookback, "state_stride": stride}
+    for lookback in map(int, args.lookbacks.split(",")):
+        row: dict[str, object] = {"state_lookback": lookback}
         for d in map(int, args.branches.split(",")):
             pc = PrefixCache(
-                model, capacity_pages=1024, capacity_states=64, block_tokens=B,
-                state_lookback=lookback, state_stride=stride,
-            )  # fmt: skip
+                model, capacity_pages=1024, capacity_states=64, block_tokens=B, state_lookback=lookback
+            )
             pc.prefill(base)
             cut = args.prompt - d
             branch = base[:cut] + [(t + 1) % 256 for t in base[cut:]]
             pc.prefill([*branch, 0])  # the branch, plus a token of its own
             row[f"d={d}"] = f"{pc.last_served}/{cut // B * B}"  # served / whole pages shared
-        row["states_a_prompt"] = pc.cache.stats().states_stored
+        row["states_stored_of_both"] = pc.cache.stats().states_stored
         row["state_bytes"] = pc.layout.state_bytes
         print(json.dumps(row))
 
@@ -86,8 +85,12 @@ def trace_replay(args: argparse.Namespace) -> None:
     E, T = args.block_tokens, 512
     per = T // E  # engine blocks a trace block
     total = sum(r["input_length"] for r in reqs)
-    for lookback, stride in _grid(args.grid):
-        row: dict[str, object] = {"state_lookback": lookback, "state_stride": stride}
+    for spec in args.grid.split(","):
+        lookback, spacing = spec.split(":") if ":" in spec else (spec, "geometric")
+        distances = [
+            _distance(j) if spacing == "geometric" else j * int(spacing) for j in range(int(lookback))
+        ]
+        row: dict[str, object] = {"state_lookback": int(lookback), "spacing": spacing}
         for cap in map(int, args.states.split(",")):
             present: set[int] = set()
             states: collections.OrderedDict[tuple[int, int], None] = collections.OrderedDict()
@@ -104,8 +107,8 @@ def trace_replay(args: argparse.Namespace) -> None:
                         states.move_to_end(key)
                         break
                 present.update(h[: n // T])
-                for j in range(lookback):
-                    b = n // E - j * stride
+                for dist in distances:
+                    b = n // E - dist
                     if b <= 0 or (b - 1) // per >= len(h):
                         continue
                     states[(h[(b - 1) // per], (b - 1) % per)] = None
@@ -116,8 +119,9 @@ def trace_replay(args: argparse.Namespace) -> None:
         print(json.dumps(row), flush=True)
 
 
-def _grid(text: str) -> list[tuple[int, int]]:
-    return [(int(a), int(b)) for a, b in (x.split("x") for x in text.split(","))]
+def _distance(j: int) -> int:
+    """hicache's spacing (hicache.reference.state_boundary_distance): 0, 1, 2, 4, 8... blocks."""
+    return j if j < 2 else 1 << (j - 1)
 
 
 def main() -> None:
@@ -126,12 +130,16 @@ def main() -> None:
     m = sub.add_parser("model", help="branches of one prompt through hicache.transformers")
     m.add_argument("--block-tokens", type=int, default=16)
     m.add_argument("--prompt", type=int, default=512, help="tokens of the base prompt")
-    m.add_argument("--grid", default="1x1,2x1,4x1,4x8,4x32", help="lookback x stride (blocks), ...")
+    m.add_argument("--lookbacks", default="1,2,4,6,8")
     m.add_argument("--branches", default="1,24,40,72,136,264", help="where branches differ, from the end")
     t = sub.add_parser("trace", help="a Mooncake trace through an index of pages and an LRU of states")
     t.add_argument("file")
     t.add_argument("--block-tokens", type=int, default=128, help="the engine's block (a divisor of 512)")
-    t.add_argument("--grid", default="1x1,2x1,4x1,8x1,16x1,4x4,8x4")
+    t.add_argument(
+        "--grid",
+        default="2:1,4:1,4,5,6,8,4:4",
+        help="lookbacks, comma-separated; N:S spaces N states S blocks apart (hicache: 0, 1, 2, 4...)",
+    )
     t.add_argument("--states", default="1000,4000,1000000000", help="state slots, comma-separated")
     args = ap.parse_args()
     (model_branches if args.what == "model" else trace_replay)(args)

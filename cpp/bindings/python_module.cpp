@@ -170,14 +170,13 @@ hicache::CudaCopierOptions cuda_options_of(int cuda_blocks, std::size_t cuda_sta
 PyCache make_cache(std::vector<nb::ndarray<>> segments, std::int64_t block_tokens,
                    std::int64_t capacity_pages, std::int64_t keep_tokens,
                    std::vector<std::int64_t> state_parts, std::int64_t capacity_states,
-                   std::int64_t state_lookback, std::int64_t state_stride, nb::bytes salt,
-                   std::int64_t error_limit, int key_bits, std::size_t pool_chunk_bytes,
-                   const std::string& copier, int cuda_blocks, std::size_t cuda_staging_bytes,
-                   const std::string& cuda_path, bool pin_upfront, const std::string& eviction,
-                   const std::string& admission, std::shared_ptr<hicache::Tier> tier,
-                   hicache::TierOptions tier_options, std::vector<std::int64_t> layer_segments,
-                   double prefill_tokens_per_s, std::optional<nb::callable> prefill_seconds,
-                   const std::string& state_device) {
+                   std::int64_t state_lookback, nb::bytes salt, std::int64_t error_limit,
+                   int key_bits, std::size_t pool_chunk_bytes, const std::string& copier,
+                   int cuda_blocks, std::size_t cuda_staging_bytes, const std::string& cuda_path,
+                   bool pin_upfront, const std::string& eviction, const std::string& admission,
+                   std::shared_ptr<hicache::Tier> tier, hicache::TierOptions tier_options,
+                   std::vector<std::int64_t> layer_segments, double prefill_tokens_per_s,
+                   std::optional<nb::callable> prefill_seconds, const std::string& state_device) {
   PyCache out;
   auto [segs, device] = segments_of(segments, state_device);
   hicache::CacheConfig c;
@@ -187,7 +186,6 @@ PyCache make_cache(std::vector<nb::ndarray<>> segments, std::int64_t block_token
   c.state_parts = std::move(state_parts);
   c.capacity_states = capacity_states;
   c.state_lookback = state_lookback;
-  c.state_stride = state_stride;
   c.salt = std::string(salt.c_str(), salt.size());
   c.error_limit = error_limit;
   c.key_bits = key_bits;
@@ -939,13 +937,12 @@ NB_MODULE(_core, m) {
           [](PyCache* self, std::vector<nb::ndarray<>> segments, std::int64_t block_tokens,
              std::int64_t capacity_pages, std::int64_t keep_tokens,
              std::vector<std::int64_t> state_parts, std::int64_t capacity_states,
-             std::int64_t state_lookback, std::int64_t state_stride, nb::bytes salt,
-             std::int64_t error_limit, int key_bits, std::size_t pool_chunk_bytes,
-             const std::string& copier, int cuda_blocks, std::size_t cuda_staging_bytes,
-             const std::string& cuda_path, bool pin_upfront, const std::string& eviction,
-             const std::string& admission, std::shared_ptr<hicache::Tier> tier,
-             std::int64_t tier_wait_us, std::int64_t tier_queue_pages,
-             std::int64_t tier_buffer_bytes, std::string tier_space,
+             std::int64_t state_lookback, nb::bytes salt, std::int64_t error_limit, int key_bits,
+             std::size_t pool_chunk_bytes, const std::string& copier, int cuda_blocks,
+             std::size_t cuda_staging_bytes, const std::string& cuda_path, bool pin_upfront,
+             const std::string& eviction, const std::string& admission,
+             std::shared_ptr<hicache::Tier> tier, std::int64_t tier_wait_us,
+             std::int64_t tier_queue_pages, std::int64_t tier_buffer_bytes, std::string tier_space,
              std::vector<std::int64_t> layer_segments, double prefill_tokens_per_s,
              std::optional<nb::callable> prefill_seconds, const std::string& state_device) {
             hicache::TierOptions tier_options;
@@ -955,19 +952,18 @@ NB_MODULE(_core, m) {
             tier_options.space = std::move(tier_space);
             new (self) PyCache(
                 make_cache(std::move(segments), block_tokens, capacity_pages, keep_tokens,
-                           std::move(state_parts), capacity_states, state_lookback, state_stride,
-                           salt, error_limit, key_bits, pool_chunk_bytes, copier, cuda_blocks,
+                           std::move(state_parts), capacity_states, state_lookback, salt,
+                           error_limit, key_bits, pool_chunk_bytes, copier, cuda_blocks,
                            cuda_staging_bytes, cuda_path, pin_upfront, eviction, admission,
                            std::move(tier), std::move(tier_options), std::move(layer_segments),
                            prefill_tokens_per_s, std::move(prefill_seconds), state_device));
           },
           "segments"_a, "block_tokens"_a, "capacity_pages"_a, "keep_tokens"_a, "state_parts"_a,
-          "capacity_states"_a, "state_lookback"_a, "state_stride"_a, "salt"_a, "error_limit"_a,
-          "key_bits"_a, "pool_chunk_bytes"_a, "copier"_a, "cuda_blocks"_a, "cuda_staging_bytes"_a,
-          "cuda_path"_a, "pin_upfront"_a, "eviction"_a, "admission"_a, "tier"_a.none(),
-          "tier_wait_us"_a, "tier_queue_pages"_a, "tier_buffer_bytes"_a, "tier_space"_a,
-          "layer_segments"_a, "prefill_tokens_per_s"_a, "prefill_seconds"_a.none(),
-          "state_device"_a = "cpu")
+          "capacity_states"_a, "state_lookback"_a, "salt"_a, "error_limit"_a, "key_bits"_a,
+          "pool_chunk_bytes"_a, "copier"_a, "cuda_blocks"_a, "cuda_staging_bytes"_a, "cuda_path"_a,
+          "pin_upfront"_a, "eviction"_a, "admission"_a, "tier"_a.none(), "tier_wait_us"_a,
+          "tier_queue_pages"_a, "tier_buffer_bytes"_a, "tier_space"_a, "layer_segments"_a,
+          "prefill_tokens_per_s"_a, "prefill_seconds"_a.none(), "state_device"_a = "cpu")
       .def("try_resume", &try_resume, "request_id"_a, "prompt"_a.noconvert(), "allocate"_a,
            "stream"_a, "state_out"_a.none(), "salt"_a.none(), "layerwise"_a.none() = nullptr)
       .def("store", &store, "request_id"_a, "tokens"_a.noconvert(), "block_ids"_a.noconvert(),

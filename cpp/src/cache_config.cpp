@@ -38,10 +38,8 @@ void CacheConfig::validate() const {
   if (total > 0) {
     require(capacity_states >= 1, "capacity_states", ">= 1 when a state is configured",
             capacity_states);
-    require(state_lookback >= 1, "state_lookback", ">= 1 when a state is configured",
-            state_lookback);
-    require(state_stride >= 0, "state_stride", ">= 0 (0: 512 tokens' worth of blocks)",
-            state_stride);
+    require(state_lookback >= 1 && state_lookback <= 48, "state_lookback",
+            "in [1, 48] when a state is configured", state_lookback);
   } else {
     require(capacity_states >= 0, "capacity_states", ">= 0", capacity_states);
   }
@@ -68,7 +66,6 @@ CacheConfig CacheConfig::normalized() const {
   if (!c.state_parts.empty()) {
     c.state_bytes = std::accumulate(c.state_parts.begin(), c.state_parts.end(), std::int64_t{0});
   }
-  if (c.state_stride == 0) c.state_stride = std::max<std::int64_t>(1, 512 / c.block_tokens);
   return c;
 }
 

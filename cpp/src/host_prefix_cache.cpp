@@ -788,7 +788,7 @@ std::int64_t HostPrefixCache::store(std::string_view request_id,
     for (Entry* e : chain) serials.push_back(e->serial);
     try {
       for (std::int64_t j = 0; j < config_.state_lookback; ++j) {
-        const std::int64_t idx = n_full - 1 - j * config_.state_stride;
+        const std::int64_t idx = n_full - 1 - state_boundary_distance(j);
         if (idx < 0) break;
         if (idx >= static_cast<std::int64_t>(serials.size())) continue;  // page not cached
         const auto u = static_cast<std::size_t>(idx);

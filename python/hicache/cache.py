@@ -60,11 +60,9 @@ class HostPrefixCache:
             them back to back, and ``state_out`` / ``state_export`` take or give that list.
         capacity_states: host state slots (required when ``state_bytes > 0``).
         state_lookback: ``store`` saves states at this many block boundaries of the prompt: the
-            last one and every ``state_stride``-th before it. A prompt that branches off a
-            stored one resumes at the last of them inside the pages they share, or gets nothing.
-        state_stride: blocks between those boundaries; None (default): 512 tokens' worth (at
-            least one block). On the shipped traces branches start 1-4 times 512 tokens before
-            an earlier prompt's end (``docs/hybrid.md``).
+            last one and those 1, 2, 4, 8, ... blocks before it. A prompt that branches off a
+            stored one resumes at the last of them inside the pages they share, or gets nothing
+            (``docs/hybrid.md`` measures the default).
         salt: namespace of every chain unless a call passes its own (tenants never share).
         error_limit: consecutive cache failures after which the cache disables itself.
         copier: ``"auto"`` (CUDA for CUDA segments, else CPU), ``"cpu"``, ``"cuda"``,
@@ -140,7 +138,6 @@ class HostPrefixCache:
         state_bytes: int | Sequence[int] = 0,
         capacity_states: int = 0,
         state_lookback: int = 4,
-        state_stride: int | None = None,
         salt: bytes | str = b"",
         error_limit: int = 8,
         copier: CopierKind = "auto",
@@ -192,8 +189,7 @@ class HostPrefixCache:
                     "no bytes each), not host_bytes; capacity_states sizes its memory"
                 )
         capacity_states = _arrays.int_arg("capacity_states", capacity_states, 0, i64)
-        state_lookback = _arrays.int_arg("state_lookback", state_lookback, 0, i64)
-        state_stride = 0 if state_stride is None else _arrays.int_arg("state_stride", state_stride, 1, i64)
+        state_lookback = _arrays.int_arg("state_lookback", state_lookback, 0, 48)
         error_limit = _arrays.int_arg("error_limit", error_limit, 1, i64)
         key_bits = _arrays.int_arg("key_bits", key_bits, 1, 128)
         cuda_blocks = _arrays.int_arg("cuda_blocks", cuda_blocks, 1, 1024)
@@ -273,7 +269,6 @@ class HostPrefixCache:
             state_parts,
             capacity_states,
             state_lookback,
-            state_stride,
             salt_bytes,
             error_limit,
             key_bits,

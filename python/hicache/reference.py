@@ -194,7 +194,6 @@ class ReferenceCache:
         state_bytes: int = 0,
         capacity_states: int = 0,
         state_lookback: int = 4,
-        state_stride: int | None = None,
         salt: bytes = b"",
         copier: str = "cpu",
         key_bits: int = 128,
@@ -206,7 +205,6 @@ class ReferenceCache:
         self.keep_tokens = keep_tokens
         self.state_bytes = state_bytes
         self.state_lookback = state_lookback
-        self.state_stride = state_stride or max(1, 512 // block_tokens)
         self.salt = salt
         self.deferred = copier == "deferred"
         self.key_bits = key_bits
@@ -494,7 +492,7 @@ class ReferenceCache:
             if self.state_bytes > 0 and state_export is not None:
                 serials = [e.serial for e in chain]
                 for j in range(self.state_lookback):
-                    idx = n_full - 1 - j * self.state_stride
+                    idx = n_full - 1 - state_boundary_distance(j)
                     if idx < 0:
                         break
                     if idx >= len(serials):
@@ -571,3 +569,8 @@ class ReferenceCache:
 
     def page_lru_order(self) -> list[bytes]:
         return list(self.pages.entries.keys())
+
+
+def state_boundary_distance(j: int) -> int:
+    """Blocks between a prompt's last boundary and the j-th whose state is stored: 0, 1, 2, 4..."""
+    return j if j < 2 else 1 << (j - 1)

@@ -45,6 +45,7 @@ import transformers
 from transformers import cache_utils
 
 from .cache import HostPrefixCache
+from .reference import state_boundary_distance
 
 __all__ = ["ModelLayout", "PrefixCache", "StatePart", "UnsupportedModelError", "describe"]
 
@@ -266,7 +267,7 @@ class PrefixCache:
             hold that many tokens of every full-attention layer.
         chunk_tokens: the prefill runs in chunks of this many tokens (a multiple of
             ``block_tokens``), cut also at each boundary whose state is stored (the last one and
-            every ``state_stride`` blocks before it, ``state_lookback`` of them).
+            those 1, 2, 4, ... blocks before it, ``state_lookback`` of them).
         **options: passed to :class:`hicache.HostPrefixCache` (``state_lookback``, ``salt``,
             ``tier``, ``admission``...).
     """
@@ -309,7 +310,6 @@ class PrefixCache:
         parts = self.layout.parts
         # The boundaries whose states store() asks for (the core's defaults unless given).
         self.state_lookback = int(options.get("state_lookback", 4))
-        self.state_stride = int(options.get("state_stride") or max(1, 512 // block_tokens))
         sizes: dict[str, Any] = {"capacity_pages": capacity_pages, "host_bytes": host_bytes}
         if not self.layout.paged:
             # State only (Mamba, every layer a sliding window): pages index the prompt and hold
@@ -453,12 +453,13 @@ class PrefixCache:
         return snapshots
 
     def _snapshot_positions(self, start: int, end: int) -> set[int]:
-        """Where store() will ask for a state: ``end`` and every ``state_stride`` blocks back,
+        """Where store() will ask for a state: ``end`` and 1, 2, 4, ... blocks before it,
         ``state_lookback`` of them, past ``start`` (earlier ones were stored before)."""
         if not self.layout.parts or end <= start:
             return set()
-        step = self.state_stride * self.block_tokens
-        return {p for j in range(self.state_lookback) if (p := end - j * step) > start}
+        B = self.block_tokens
+        positions = (end - state_boundary_distance(j) * B for j in range(self.state_lookback))
+        return {p for p in positions if p > start}
 
     def cuts(self, start: int, end: int, stop: int) -> list[int]:
         """The chunk boundaries of a prefill of ``[start, stop)`` that stores ``[0, end)``: every

@@ -137,7 +137,6 @@ TEST(Concurrency, HybridHitsServeExactlyTheirPrefixsPagesAndStateUnderEightThrea
   c.state_bytes = kStateBytes;
   c.capacity_states = 8;  // far fewer than the prefixes in play: states are evicted constantly
   c.state_lookback = 3;
-  c.state_stride = 1;
   HostPrefixCache cache(eng.segments(), {}, c);
   Outcome out;
   std::vector<std::thread> threads;
@@ -166,7 +165,6 @@ TEST(Concurrency, TheHarnessCatchesAStateOfAnotherPosition) {
   c.state_bytes = kStateBytes;
   c.capacity_states = 8;
   c.state_lookback = 2;
-  c.state_stride = 1;
   HostPrefixCache cache(eng.segments(), {}, c);
   Outcome out;
   engine_thread(cache, eng, 0, 400, out, /*skew=*/kBlockTokens);

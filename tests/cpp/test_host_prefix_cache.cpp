@@ -175,7 +175,6 @@ TEST(HostPrefixCache, StatesAreStoredAtTheLastBoundariesAndResumeSnapsToOne) {
   c.state_bytes = 24;
   c.capacity_states = 8;
   c.state_lookback = 2;
-  c.state_stride = 1;
   HostPrefixCache cache(eng.segments(), {}, c);
   std::vector<std::uint8_t> staging(24);
   std::vector<std::int64_t> asked;
@@ -211,14 +210,13 @@ TEST(HostPrefixCache, StatesAreStoredAtTheLastBoundariesAndResumeSnapsToOne) {
   EXPECT_TRUE(asked.empty());
 }
 
-TEST(HostPrefixCache, StatesAreStoredEveryStrideBlocksBack) {
+TEST(HostPrefixCache, StatesAreStoredAtGeometricallySpacedBoundaries) {
   // A branch that leaves an earlier prompt a few blocks before its end still finds a state.
   FakeEngine eng(16, {64});
   CacheConfig c = small_config(16);
   c.state_bytes = 8;
   c.capacity_states = 8;
-  c.state_lookback = 3;
-  c.state_stride = 2;
+  EXPECT_EQ(c.state_lookback, 4);  // the default: the last boundary, 1, 2 and 4 blocks before
   HostPrefixCache cache(eng.segments(), {}, c);
   std::vector<std::uint8_t> staging(8);
   std::vector<std::int64_t> asked;
@@ -229,21 +227,20 @@ TEST(HostPrefixCache, StatesAreStoredEveryStrideBlocksBack) {
   };
   const auto prompt = tokens(7 * 16 + 3);
   cache.store("a", prompt, ids(0, 8), nullptr, exporter);
-  EXPECT_EQ(asked, (std::vector<std::int64_t>{112, 80, 48}));
+  EXPECT_EQ(asked, (std::vector<std::int64_t>{112, 96, 80, 48}));
   cache.poll();
   std::vector<std::uint8_t> out(8, 0);
   hicache::DeviceBuffer out_buf{out.data(), out.size(), {}};
   auto branch = prompt;
-  branch[100] = -1;  // leaves the prompt in block 6: the state at 80 is the last one before
-  EXPECT_EQ(cache.try_resume("b", branch, give(ids(8, 5)), nullptr, out_buf), 80);
-  EXPECT_EQ(out[0], 80);
+  branch[70] = -1;  // leaves the prompt in block 4: 4 pages shared, the state at 48 below them
+  EXPECT_EQ(cache.try_resume("b", branch, give(ids(8, 5)), nullptr, out_buf), 48);
+  EXPECT_EQ(out[0], 48);
 
-  CacheConfig by_default = small_config(16);  // 0: 512 tokens' worth of 16-token blocks
-  EXPECT_EQ(by_default.normalized().state_stride, 32);
-  by_default.state_stride = -1;
-  by_default.state_bytes = 8;
-  by_default.capacity_states = 1;
-  EXPECT_THROW(HostPrefixCache(eng.segments(), {}, by_default), std::invalid_argument);
+  CacheConfig bad = small_config(16);
+  bad.state_bytes = 8;
+  bad.capacity_states = 1;
+  bad.state_lookback = 49;  // 2**47 blocks back: no prompt is that long
+  EXPECT_THROW(HostPrefixCache(eng.segments(), {}, bad), std::invalid_argument);
 }
 
 TEST(HostPrefixCache, StateExportReturningNothingSkipsThatBoundary) {
@@ -252,7 +249,6 @@ TEST(HostPrefixCache, StateExportReturningNothingSkipsThatBoundary) {
   c.state_bytes = 8;
   c.capacity_states = 4;
   c.state_lookback = 3;
-  c.state_stride = 1;
   HostPrefixCache cache(eng.segments(), {}, c);
   std::vector<std::uint8_t> staging(8, 7);
   auto exporter = [&](std::int64_t pos) -> std::optional<hicache::DeviceBuffer> {
@@ -847,7 +843,6 @@ TEST(HostPrefixCache, AStoreThatRaisesPublishesNothingEvenIfPolledFromItsOwnCall
   c.state_bytes = 8;
   c.capacity_states = 4;
   c.state_lookback = 2;
-  c.state_stride = 1;
   HostPrefixCache cache(eng.segments(), {}, c);
   std::vector<std::uint8_t> wrong(5), right(8, 1);
   const auto prompt = tokens(3 * 16 + 1);

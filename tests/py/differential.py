@@ -56,8 +56,7 @@ def run_differential(
         keep_tokens=int(rng.integers(1, 20)),
         state_bytes=state_bytes,
         capacity_states=5 if state_bytes else 0,
-        state_lookback=3,
-        state_stride=1 + seed % 3,  # not from rng: each seed keeps its operations
+        state_lookback=3 + seed % 3,  # not from rng: each seed keeps its operations
         copier=copier,
         key_bits=key_bits,
         eviction=eviction,

@@ -202,7 +202,6 @@ class HybridEngine:
                 state_bytes=[p.nbytes for p in self.parts],
                 capacity_states=capacity_pages,
                 state_lookback=2,
-                state_stride=1,
                 admission="always",
             )
         # Tests: called with the state parts hicache loaded, may replace them (negative controls).

@@ -172,7 +172,7 @@ CONSTRUCTOR_KEYWORDS = [
     "state_lookback", "salt", "error_limit", "copier", "cuda_blocks", "cuda_staging_bytes",
     "cuda_path", "pool_chunk_bytes", "pin_upfront", "eviction", "admission",
     "tier", "tier_wait_ms", "tier_queue_pages", "tier_space", "layers", "prefill_tokens_per_s",
-    "prefill_seconds", "key_bits", "state_stride", "state_device",
+    "prefill_seconds", "key_bits", "state_device",
 ]  # fmt: skip
 # Arguments a keyword's bad value may be reported under: related settings checked together.
 ALSO_NAMED = {
@@ -181,7 +181,6 @@ ALSO_NAMED = {
     "state_bytes": ("capacity_states", "state_lookback"),
     "capacity_states": ("state_bytes",),
     "state_lookback": ("state_bytes",),
-    "state_stride": ("state_bytes",),
 }
 
 

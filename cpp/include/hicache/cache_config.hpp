@@ -13,6 +13,12 @@
 
 namespace hicache {
 
+/// Blocks between a prompt's last boundary and the j-th boundary whose state store() saves:
+/// 0, 1, 2, 4, 8, ... (a branch d blocks back loses at most about d more blocks).
+constexpr std::int64_t state_boundary_distance(std::int64_t j) {
+  return j < 2 ? j : std::int64_t{1} << (j - 1);
+}
+
 struct CacheConfig {
   /// Tokens per engine KV block (= per host page).
   std::int64_t block_tokens = 128;
@@ -29,14 +35,11 @@ struct CacheConfig {
   std::vector<std::int64_t> state_parts;
   /// Host state slots.
   std::int64_t capacity_states = 0;
-  /// store() saves states at this many of the prompt's block boundaries: the last one and, going
-  /// back, every state_stride-th before it. A prompt that branches off an earlier one resumes at
-  /// the last of these within the pages they share (none within: nothing is served).
+  /// store() saves states at this many of the prompt's block boundaries, spaced geometrically
+  /// back from the last one (state_boundary_distance): 4 = the last boundary and those 1, 2 and
+  /// 4 blocks before it. A prompt that branches off an earlier one resumes at the last of these
+  /// within the pages they share (none within: nothing is served). See docs/hybrid.md.
   std::int64_t state_lookback = 4;
-  /// Blocks between the boundaries whose states store() saves. 0 (the default): as many blocks
-  /// as make 512 tokens (at least one); on the shipped traces a branch off an earlier prompt
-  /// starts 1-4 times 512 tokens before its end (see docs/hybrid.md).
-  std::int64_t state_stride = 0;
   /// Root of every chain unless a call passes its own (tenant namespace).
   std::string salt;
   /// Consecutive cache failures after which the cache disables itself.

@@ -95,7 +95,7 @@ class HostPrefixCache {
   /// not yet cached that the admission policy admits (the first page it declines ends the store:
   /// counted in pages_declined) (block_ids[i] holds tokens [i*B, (i+1)*B)), then asks
   /// `state_export` for the state at each of state_lookback block boundaries (the last one and
-  /// every state_stride-th before it) not yet
+  /// those 1, 2, 4, ... blocks before it) not yet
   /// cached and enqueues its copy before asking for the next (so the engine may return the same
   /// staging buffer each time). Best effort: stops when no slot can be freed, or at a slot whose
   /// host memory is not pinned yet (each counted). Entries become hit-able once poll() sees the

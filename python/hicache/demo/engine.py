@@ -121,7 +121,6 @@ class PagedEngine:
                 state_bytes=state_bytes,
                 capacity_states=(state_slots or cache_pages) if state_bytes else 0,
                 state_lookback=state_lookback,
-                state_stride=1,  # the engine snapshots its rings at the last boundaries, one apart
                 cuda_blocks=cuda_blocks,
                 tier=tier,
                 tier_space=tier_space,
