@@ -211,6 +211,10 @@ def _replay(args: argparse.Namespace) -> int:
             raise ValueError("--keep-tokens must be >= 1 (the last token must be computed)")
         if args.jobs is not None and args.jobs < 1:
             raise ValueError("--jobs must be >= 1")
+        if args.page_bytes < 1:
+            raise ValueError(f"--page-bytes must be >= 1 (bytes of a 128-token page), not {args.page_bytes}")
+        if args.limit is not None and args.limit < 1:
+            raise ValueError(f"--limit must be >= 1 (the requests to replay), not {args.limit}")
         if args.instances:
             instances = [int(n) for n in args.instances.split(",")]
             if any(n < 1 for n in instances):
@@ -394,7 +398,13 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--json", action="store_true", help="print one JSON object")
     d.set_defaults(func=_demo)
-    r = sub.add_parser("replay", help="replay traces through the index: policies vs the optimum")
+    r = sub.add_parser(
+        "replay",
+        help="replay traces through the index: policies vs the optimum",
+        description="Replays each trace's requests through hicache's index, one after another in "
+        "file order (timestamps are ignored), once per capacity and policy, beside Belady's optimum "
+        "over the same pages. --policy '' runs the optimum alone; --no-optimum the policies alone.",
+    )
     r.add_argument("trace", nargs="+", help="trace in Mooncake's format (JSON lines)")
     r.add_argument(
         "--capacity",

@@ -35,6 +35,7 @@ from . import _core
 from .cache import HostPrefixCache
 
 PAGE_TOKENS = 128  # hicache's page
+UNBOUNDED = 2**62  # capacity "inf", in pages
 BLOCK_TOKENS = 512  # Mooncake's hash granularity (the default of --block-tokens)
 U64 = 2**64
 
@@ -159,8 +160,9 @@ class Result:
     seconds: float
     pages_per_second: float = 0.0
     served: list[int] = field(default_factory=list, repr=False)
-    unbounded: bool = False  # capacity "inf": room for every page of the trace
+    unbounded: bool = False  # room for every page of the trace
     optimum_hit_tokens: int | None = None
+    requested_tokens: int | None = None  # the capacity asked for, when larger than the trace
 
     @property
     def hit_ratio(self) -> float:
@@ -478,7 +480,7 @@ def parse_capacity(text: str, page_bytes: int) -> int:
     """'3M' tokens, '64GiB' bytes (pages of page_bytes) or 'inf' -> capacity in pages."""
     t = text.strip().upper()
     if t in ("INF", "INFINITE"):
-        return 2**62
+        return UNBOUNDED
     for unit in sorted(_BYTE_UNITS, key=len, reverse=True):
         if t.endswith(unit):
             value = float(t[: -len(unit)]) * _BYTE_UNITS[unit]
@@ -513,21 +515,27 @@ def run(
     if keep_tokens < 1:
         raise ValueError("keep_tokens must be >= 1 (the last token must be computed)")
     tasks: list[tuple[int, bool, str]] = []
-    for requested in capacities:
+    whole = False  # a pass with room for the whole trace is queued
+    for requested in dict.fromkeys(capacities):  # a capacity given twice runs once
         cap = min(requested, trace.pages_total + 1)  # "inf": room for every page the trace holds
         unbounded = requested > trace.pages_total
-        for policy in [*(["optimum"] if optimum else []), *policies]:
-            tasks.append((cap, unbounded, policy))
+        if unbounded and whole:
+            continue  # the same pass as the first capacity that held the whole trace
+        whole = whole or unbounded
+        for policy in dict.fromkeys([*(["optimum"] if optimum else []), *policies]):
+            tasks.append((cap, requested if unbounded else 0, policy))
     best: dict[int, int] = {}
     waiting: list[Result] = []  # finished before their optimum
 
-    def one(cap: int, unbounded: bool, policy: str) -> Result:
+    def one(cap: int, requested: int, policy: str) -> Result:
         res = (
             replay_optimum(trace, cap, keep_tokens)
             if policy == "optimum"
             else replay_policy(trace, cap, policy, keep_tokens)
         )
-        res.unbounded = unbounded
+        res.unbounded = requested > 0
+        if requested and requested < UNBOUNDED:
+            res.requested_tokens = requested * PAGE_TOKENS
         return res
 
     workers = max(1, jobs or os.cpu_count() or 1)
@@ -563,7 +571,9 @@ TABLE_HEADER = (
 
 
 def format_row(r: Result, page_bytes: int) -> str:
-    cap = "inf" if r.unbounded else f"{r.capacity_tokens:,}"
+    cap = f"{r.capacity_tokens:,}"
+    if r.unbounded:  # every page of the trace fits: say what was asked for
+        cap = "inf" if r.requested_tokens is None else f"{r.requested_tokens:,} (> trace)"
     of_opt = "-" if r.of_optimum is None else f"{r.of_optimum:.3f}"
     return (
         f"| {cap} | {r.policy} | {r.hit_ratio:.4f} | {r.second_half_hit_ratio:.4f} | {of_opt} | {r.hits} "

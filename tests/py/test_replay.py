@@ -193,16 +193,43 @@ def test_cli_checks_every_option_before_the_first_pass(trace_file: Path) -> None
         ["--keep-tokens", "0", "--no-optimum"],
         ["--block-tokens", "100"],
         ["--jobs", "0"],
+        ["--page-bytes", "0", "--capacity", "1GiB"],  # was a ZeroDivisionError
+        ["--page-bytes", "-1"],  # was accepted ("GB stored -0")
+        ["--limit", "0"],
+        ["--limit", "-1"],
     ]:
         out = _cli("replay", str(trace_file), *args)
         assert out.returncode == 2 and "hicache replay:" in out.stderr, args
         assert "|" not in out.stdout, args  # no pass ran
+        named = next((a for a in args if a in ("--page-bytes", "--limit")), None)
+        if named:
+            assert named in out.stderr, (args, out.stderr)  # the message names the option
     # --plot without matplotlib fails before any replay, not after the whole run
     no_mpl = "import sys; sys.modules['matplotlib'] = None; "
     out = _cli("replay", str(trace_file), "--plot", "x.png", pre=no_mpl)
     assert out.returncode == 2 and "matplotlib" in out.stderr and out.stdout == ""
     with pytest.raises(ValueError, match="keep_tokens"):
         list(replay.run(replay.load_trace(trace_file), [8], ["leaf-first"], keep_tokens=0, optimum=True))
+
+
+def test_capacities_are_told_apart_and_run_once(trace_file: Path) -> None:
+    out = _cli("replay", str(trace_file), "--capacity", "1024,1024,1000M,2000M,inf", "--policy", "lru")
+    assert out.returncode == 0, out.stderr
+    lines = [line for line in out.stdout.splitlines() if line.startswith("| ") and "---" not in line]
+    caps = [(c.strip(), p.strip()) for c, p in (line.split("|")[1:3] for line in lines)]
+    caps = [row for row in caps if row[0] != "capacity (tokens)"]
+    # Rows stream as passes finish, then the table repeats them sorted: each pass once in each.
+    whole = "1,000,000,000 (> trace)"  # 2000M and inf hold the whole trace too: the same pass
+    assert caps[len(caps) // 2 :] == [
+        ("1,024", "optimum"),
+        ("1,024", "lru"),
+        (whole, "optimum"),
+        (whole, "lru"),
+    ]
+    assert sorted(caps[: len(caps) // 2]) == sorted(caps[len(caps) // 2 :])
+    help_text = _cli("replay", "--help").stdout
+    assert "file order" in help_text and "timestamps are ignored" in help_text
+    assert "--policy '' runs the optimum alone" in help_text
 
 
 def test_a_shared_tier_serves_what_another_instance_stored(tmp_path: Path) -> None:
