@@ -29,9 +29,10 @@ warnings.filterwarnings("ignore", module="transformers")
 B = 16
 NEW_TOKENS = 6
 # Bamba's own code (transformers 5.24, torch path) computes a token differently when it is
-# decoded after a prefill than when it ends a longer prefill (logits off by ~0.1 with no cache
-# involved: prefill 47 tokens and decode the 48th, against a prefill of 48). Its adapter runs
-# are checked against the same chunk boundaries (test_same_boundaries_bit_exact) instead.
+# decoded after a prefill than when it ends a longer prefill, and a prompt differently in chunks
+# than in one pass (logits off by 0.1-0.2 with no hicache involved: test_bamba_alone_depends_on_
+# its_chunks), enough to change a greedy token even on a turn with no hit. Its adapter runs are
+# checked against the same chunk boundaries (test_same_boundaries_bit_exact) instead.
 SELF_INCONSISTENT = {"bamba"}
 
 
@@ -94,10 +95,11 @@ def test_generate_matches_plain_generate(family: tuple[str, Any]) -> None:
     # Turn 1 stores up to its last boundary below 87 tokens; turns 2 and 3 resume from there.
     assert [t["served"] for t in turns] == [0, 80, 112]
     for i, t in enumerate(turns):
+        if name in SELF_INCONSISTENT:
+            continue  # see SELF_INCONSISTENT: the same boundaries are checked bit for bit instead
         assert t["tokens"] == t["ref_tokens"], f"{name} turn {i + 1}"
-        if name not in SELF_INCONSISTENT:
-            diff = float((t["logits"] - t["ref"]).abs().max())
-            assert diff < 1e-4, f"{name} turn {i + 1}: logits off by {diff}"
+        diff = float((t["logits"] - t["ref"]).abs().max())
+        assert diff < 1e-4, f"{name} turn {i + 1}: logits off by {diff}"
     st = pc.cache.stats()
     assert st.hits == 2 and st.errors == 0
 
@@ -123,6 +125,24 @@ def test_same_boundaries_bit_exact(family: tuple[str, Any]) -> None:
             hct._forward(model, t[c0:c1], ref_cache)
         ref = hct._forward(model, t[m:], ref_cache).logits[0]
     assert torch.equal(got, ref), f"{name}: {float((got - ref).abs().max())}"
+
+
+def test_bamba_alone_depends_on_its_chunks() -> None:
+    """Why Bamba is checked at the same boundaries only: without hicache, the prefill the adapter
+    runs on turn 1 (chunks ending at its stored boundaries) and one pass over the same 80 tokens
+    give different logits, while a family without this defect gives the same to rounding."""
+    diffs = {}
+    for name in ("bamba", "granitemoehybrid"):  # both Mamba-2 hybrids
+        model = make_model(name)
+        pc = hct.PrefixCache(model, capacity_pages=64, block_tokens=B)
+        ids = torch.tensor(conversation()[0][:80])
+        with torch.no_grad():
+            whole = hct._forward(model, ids, hct.fresh_cache(model)).logits[0, -1]
+            cache = hct.fresh_cache(model)
+            for c0, c1 in itertools.pairwise(pc.cuts(0, 80, 80)):
+                chunked = hct._forward(model, ids[c0:c1], cache).logits[0, -1]
+        diffs[name] = float((whole - chunked).abs().max())
+    assert diffs["bamba"] > 1e-2 and diffs["granitemoehybrid"] < 1e-4, diffs
 
 
 def _tampered(model: Any, tamper: Any) -> float:
