@@ -10,11 +10,11 @@
 #   sanitize    memcheck, racecheck, synccheck, initcheck over the GPU GoogleTests; memcheck over
 #               the GPU pytest file
 #   bench       bench/layouts.py (every layout through the Python API, default options), its
-#               --cpu-cost mode, bench/small_pages.py (where a small-page call's time goes),
+#               --cpu-cost mode, bench/research/small_pages.py (where a small-page call's time goes),
 #               bench/transfer_matmul.py (copies beside a bf16 matmul)
 #   paths       bench/layouts.py with every copy path forced (each path's limit per layout)
 #   bench-lowlevel  the C++ transfer benchmark (copier against cudaMemcpy variants, pinning) and
-#               what submitting DMA pieces costs (bench/dma_submit.cu)
+#               what submitting DMA pieces costs (bench/research/dma_submit.cu)
 #   demo        hicache demo with a Llama-3-8B-shaped model, 8K-26K-token conversations
 #   layerwise   bench/layerwise.py: convoys (a 1K-token load beside a 100K-token one) and the
 #               load-or-recompute decision on a throttled link
@@ -98,7 +98,7 @@ bench)
   cp "$LOGS/bench-layouts.log" "$OUT/bench_layouts.md"
   run bench-cpu-cost python3 bench/layouts.py --cpu-cost --reps 3
   cp "$LOGS/bench-cpu-cost.log" "$OUT/bench_cpu_cost.md"
-  run bench-small-pages python3 bench/small_pages.py
+  run bench-small-pages python3 bench/research/small_pages.py
   cp "$LOGS/bench-small-pages.log" "$OUT/bench_small_pages.md"
   run bench-matmul python3 bench/transfer_matmul.py --paths auto,dma,staged,kernel
   cp "$LOGS/bench-matmul.log" "$OUT/bench_matmul.md"

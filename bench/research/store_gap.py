@@ -9,7 +9,7 @@ on the GPU (default options, 1024 pages a call where they fit in 1 GiB):
 - the store's and SlotMover's GPU timeline under ``torch.profiler``: when the first copy
   starts, how long the copies span, and the gaps between them.
 
-    python3 bench/store_gap.py
+    python3 bench/research/store_gap.py
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from torch.profiler import ProfilerActivity, profile
 
 import hicache
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parent.parent))  # bench/, for layouts.py
 import layouts as L  # the grid's layout, cache and timing helpers
 
 

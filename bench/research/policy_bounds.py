@@ -1,7 +1,7 @@
 """How much of the optimum eviction could recover at small host budgets: sampled-eviction bounds.
 
 Leaf-first chains of 128-token pages with the replay's hit rule (keep_tokens = 1), as in
-``bench/policy_prototypes.py``, but eviction takes the best of 32 random evictable leaves (never
+``bench/research/policy_prototypes.py``, but eviction takes the best of 32 random evictable leaves (never
 the storing request's own pages) by a score, so that scores which are not an order can be tried:
 
 - ``lru``: the least recently used (sampled LRU; ``ghost4+lru`` matches the prototypes' exact
@@ -47,7 +47,7 @@ alone); ``learned<p>`` (an online guess: a page in the ghost if a logistic model
 conversation continues" on the request's SIGNALS, refit every 256 requests on those 16 pools'
 worth of traffic old, gives at least p).
 
-    python bench/policy_bounds.py data/traces/mooncake_conversation_trace.jsonl --capacity 1M
+    python bench/research/policy_bounds.py data/traces/mooncake_conversation_trace.jsonl --capacity 1M
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ from collections.abc import Callable
 from statistics import NormalDist
 
 import numpy as np
-from policy_prototypes import sweep  # the shared command line (bench/ is on the path when run)
+from policy_prototypes import sweep  # the shared command line (its folder is on the path when run)
 
 from hicache import replay
 

@@ -5,7 +5,7 @@ keeps because it knows they come back (`BENCHMARKS.md`, replay). An online polic
 guess which ones will, from what it has seen. This script measures how well each signal a
 trace offers does that. For every request it asks whether a later request extends its prompt,
 i.e. starts with all of its blocks but the last, partial one (``policy_bounds.conversation_parents``,
-which the turns of ``bench/policy_bounds.py`` come from too). Signals
+which the turns of ``bench/research/policy_bounds.py`` come from too). Signals
 (``policy_bounds.request_features``, which ``learned<p>`` admission there predicts from):
 
 - the request's turn;
@@ -22,7 +22,7 @@ compares with ``policy_bounds``' ``noisya<auc>`` admission.
 It also prints the spread of the gaps to the next turn, in seconds and in pools' worth of
 traffic at the given capacity.
 
-    python bench/reuse_signals.py data/traces/mooncake_conversation_trace.jsonl --capacity 1M
+    python bench/research/reuse_signals.py data/traces/mooncake_conversation_trace.jsonl --capacity 1M
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import argparse
 import json
 
 import numpy as np
-from policy_bounds import (  # bench/ is on the path when run
+from policy_bounds import (  # its folder is on the path when run
     SIGNALS,
     conversation_parents,
     conversation_turns,

@@ -5,7 +5,7 @@ a load take to return (the CPU work before and while enqueueing) and to complete
 with ``copier="null"`` (the CPU work without any copy), ``hicache.chain_keys`` of the prompt
 alone, and one contiguous copy of the same bytes. Best of 5 each; default options otherwise.
 
-    python3 bench/small_pages.py
+    python3 bench/research/small_pages.py
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import torch
 
 import hicache
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parent.parent))  # bench/, for layouts.py
 import layouts as L  # the grid's layout, cache and timing helpers
 
 LAYOUTS = [  # (chunk bytes, segments, pages a call, cuda_path)

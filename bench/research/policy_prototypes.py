@@ -4,7 +4,7 @@ Each simulates leaf-first chains of 128-token pages with the replay's hit rule (
 a page is never evicted while it has a cached child or belongs to the request being stored.
 ``always+lru`` reproduces ``hicache replay``'s leaf-first result exactly (checked first).
 
-    python bench/policy_prototypes.py data/traces/mooncake_conversation_trace.jsonl --capacity 1M
+    python bench/research/policy_prototypes.py data/traces/mooncake_conversation_trace.jsonl --capacity 1M
 
 Admission: ``always``; ``ghost<k>`` (while full, only pages whose key was in the last k pools'
 worth of prompt keys; free slots take anything); ``freq<w>`` (TinyLFU-like: while full, a page

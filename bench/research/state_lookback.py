@@ -10,11 +10,11 @@ gets nothing, with a larger lookback it gets the pages down to the boundary belo
 
 Two measurements:
 
-- ``python bench/state_lookback.py model``: a base prompt then a branch of it, for each lookback
+- ``python bench/research/state_lookback.py model``: a base prompt then a branch of it, for each lookback
   and branch distance, through ``hicache.transformers.PrefixCache`` (a tiny random-weight
   Qwen3-Next, gated delta nets and full attention, on the CPU): the tokens served against the
   pages the two prompts share.
-- ``python bench/state_lookback.py trace FILE``: a Mooncake trace (``hash_ids`` one per
+- ``python bench/research/state_lookback.py trace FILE``: a Mooncake trace (``hash_ids`` one per
   512-token block) replayed in file order through an index of unbounded pages and an LRU of
   ``--states`` state slots, an engine of ``--block-tokens`` blocks storing states the way
   ``store`` does (or, to compare, N states S blocks apart): the share of prompt tokens served.
