@@ -1,7 +1,7 @@
 """What a trace tells an online policy about reuse: whether a conversation continues, and when.
 
 At small host budgets most of the optimum's extra hits are next turns of conversations that it
-keeps because it knows they come back (`BENCHMARKS.md`, replay). An online policy can only
+keeps because it knows they come back (`docs/performance.md`). An online policy can only
 guess which ones will, from what it has seen. This script measures how well each signal a
 trace offers does that. For every request it asks whether a later request extends its prompt,
 i.e. starts with all of its blocks but the last, partial one (``policy_bounds.conversation_parents``,
