@@ -369,6 +369,47 @@ def report(path: str) -> None:
     )
 
 
+def plot(path: str, png: str) -> None:
+    """The grid of a --json file as a figure: the ratio to the link against the page size, one
+    panel per direction, 16-page calls and the largest calls apart, the targets as lines."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = json.load(open(path))
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.6), sharey=True)
+    panels = (("store", "store (GPU to host)", 0.95), ("load", "load (host to GPU)", 0.95),
+              ("both", "both at once", 0.90))  # fmt: skip
+    small = min(r["pages"] for r in rows)
+    for ax, (key, title, target) in zip(axes, panels, strict=True):
+        for calls, marker in ((True, "o"), (False, "^")):
+            pts = [r for r in rows if (r["pages"] == small) == calls]
+            for seg_class, color in (
+                ((1, 2), "tab:red"),
+                ((32, 61, 64), "tab:blue"),
+                ((96, 128), "tab:green"),
+            ):
+                sel = [r for r in pts if r["segments"] in seg_class]
+                if not sel:
+                    continue
+                size = "16 pages" if calls else "up to 1 GiB"
+                label = f"{'/'.join(map(str, seg_class))} segments, {size} a call"
+                ax.scatter([r["page"] / 2**20 for r in sel], [r[key] for r in sel], marker=marker, s=22,
+                           color=color, alpha=0.75, label=label)  # fmt: skip
+        ax.axhline(target, color="black", lw=0.8, ls="--")
+        ax.set_xscale("log", base=2)
+        ax.set_title(title)
+        ax.set_xlabel("page (MiB)")
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("hicache / contiguous copy of the same bytes")
+    axes[0].set_ylim(0, 1.1)
+    axes[2].legend(fontsize=7, loc="lower right")
+    fig.suptitle("Every KV layout through the public API (one H200, default options); dashed: the target")
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+
+
 def ints(s: str) -> list[int]:
     return [int(x) for x in s.split(",") if x]
 
@@ -388,9 +429,11 @@ def main() -> None:
     ap.add_argument("--mover", action="store_true", help="also time SlotMover's copy of the same pages")
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     ap.add_argument("--report", default="", help="print BENCHMARKS.md's table from a --json file, and stop")
+    ap.add_argument("--plot", default="", help="with --report: also draw the grid into this PNG (matplotlib)")
     args = ap.parse_args()
     if args.report:
-        return report(args.report)
+        report(args.report)
+        return plot(args.report, args.plot) if args.plot else None
     global DEVICE
     DEVICE = args.device
     if DEVICE == "cuda" and (not torch.cuda.is_available() or not hicache.cuda_available()):
