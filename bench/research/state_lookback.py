@@ -27,40 +27,22 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import sys
+from pathlib import Path
 
 import torch
 import transformers
 
 from hicache.transformers import PrefixCache
 
-
-def tiny_qwen3_next() -> object:
-    torch.manual_seed(0)
-    cfg = transformers.Qwen3NextConfig(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        moe_intermediate_size=32,
-        shared_expert_intermediate_size=32,
-        num_experts=4,
-        num_experts_per_tok=2,
-        num_hidden_layers=4,
-        head_dim=16,
-        linear_num_value_heads=4,
-        linear_num_key_heads=2,
-        linear_key_head_dim=16,
-        linear_value_head_dim=16,
-        linear_conv_kernel_dim=4,
-        full_attention_interval=2,
-    )
-    return transformers.AutoModelForCausalLM.from_config(cfg).eval()
+# The tests' tiny random-weight models (nothing downloaded).
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests" / "py"))
+import hf_families
 
 
 def model_branches(args: argparse.Namespace) -> None:
     transformers.logging.set_verbosity_error()
-    model = tiny_qwen3_next()
+    model = hf_families.make_model("qwen3_next")
     B = args.block_tokens
     g = torch.Generator().manual_seed(1)
     base = torch.randint(0, 256, (args.prompt,), generator=g).tolist()

@@ -17,7 +17,6 @@ Run as a script for the table of the closing note:
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -26,103 +25,22 @@ from typing import Any
 import torch
 import transformers
 
+import hf_families
 import hicache
+from hicache.transformers import CACHE_ARG
 
 B = 16  # tokens per block (and per prefill chunk)
 
-# The model's cache keyword and output field: "cache" in transformers 5.24 (the test pin, which
-# deprecates "past_key_values" for removal in 5.40), "past_key_values" in older releases.
-_FORWARD_ARGS = inspect.signature(transformers.LlamaForCausalLM.forward).parameters
-CACHE = "cache" if "cache" in _FORWARD_ARGS else "past_key_values"
+# The model's cache keyword ("cache" from transformers 5.24 on, "past_key_values" before).
+CACHE = CACHE_ARG
 
-# A wider initialization than the default 0.02 makes the tiny models sensitive to their state
-# (with 0.02 the few generated tokens of a random model hardly depend on it).
-_COMMON = dict(
-    vocab_size=256,
-    hidden_size=64,
-    intermediate_size=128,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    initializer_range=0.1,
-)
-
-
-def _gemma3() -> Any:
-    # Three sliding layers (window 24 tokens: not a multiple of the block), one full layer.
-    cfg = transformers.Gemma3TextConfig(
-        **_COMMON,
-        num_hidden_layers=4,
-        head_dim=16,
-        sliding_window=24,
-        layer_types=["sliding_attention"] * 3 + ["full_attention"],
-        max_position_embeddings=1024,
-    )
-    return transformers.Gemma3ForCausalLM(cfg)
-
-
-def _bamba() -> Any:
-    cfg = transformers.BambaConfig(
-        **_COMMON,
-        num_hidden_layers=4,
-        attn_layer_indices=[1, 3],
-        mamba_n_heads=4,
-        mamba_d_head=32,
-        mamba_n_groups=1,
-        mamba_d_state=16,
-        mamba_chunk_size=16,
-        mamba_d_conv=4,
-        mamba_expand=2,
-    )
-    return transformers.BambaForCausalLM(cfg)
-
-
-def _jamba() -> Any:
-    cfg = transformers.JambaConfig(
-        **_COMMON,
-        num_hidden_layers=4,
-        attn_layer_period=2,
-        attn_layer_offset=1,
-        expert_layer_period=2,
-        num_experts=2,
-        mamba_d_state=8,
-        mamba_d_conv=4,
-        mamba_expand=2,
-    )
-    return transformers.JambaForCausalLM(cfg)
-
-
-def _qwen3_next() -> Any:
-    cfg = transformers.Qwen3NextConfig(
-        **_COMMON,
-        moe_intermediate_size=32,
-        shared_expert_intermediate_size=32,
-        num_experts=4,
-        num_experts_per_tok=2,
-        num_hidden_layers=4,
-        head_dim=16,
-        linear_num_value_heads=4,
-        linear_num_key_heads=2,
-        linear_key_head_dim=16,
-        linear_value_head_dim=16,
-        linear_conv_kernel_dim=4,
-        full_attention_interval=2,
-    )
-    return transformers.Qwen3NextForCausalLM(cfg)
-
-
-FAMILIES: dict[str, Callable[[], Any]] = {
-    "gemma3": _gemma3,
-    "bamba": _bamba,
-    "jamba": _jamba,
-    "qwen3_next": _qwen3_next,
-}
+# The tiny models (random weights, a wider initialization than the default so that their few
+# generated tokens depend on their state) are hf_families.py's.
+FAMILIES = ("gemma3", "bamba", "jamba", "qwen3_next")
 
 
 def make_model(family: str, device: str, dtype: torch.dtype) -> Any:
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = FAMILIES[family]()
-    return model.to(dtype).eval()
+    return hf_families.make_model(family, device, dtype)
 
 
 @dataclass
