@@ -8,6 +8,7 @@ import itertools
 import json
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -127,13 +128,19 @@ def test_load_or_recompute_keeps_tokens_identical_and_declines_when_prefill_is_f
     without = run_workload(plain, convs, 4, "without")
     fast = PagedEngine(model, num_blocks=96, block_tokens=16, cache_pages=600, prefill_tokens_per_s=1e15)
     slow = PagedEngine(model, num_blocks=96, block_tokens=16, cache_pages=600, prefill_tokens_per_s=1.0)
+    started = time.monotonic()
     declined = run_workload(fast, convs, 4, "recompute")
+    took = time.monotonic() - started
     served = run_workload(slow, convs, 4, "load")
     for runs in (declined, served):
         assert summarize(runs, without).tokens_identical
     d, s = fast.cache.stats(), slow.cache.stats()
-    # The first hit measures the copy rate; every later one is declined by an engine this fast.
-    assert d.hits == 1 and d.hits_trimmed == 8 and d.pages_recomputed > 8
+    # The first hit measures the copy rate; every later one is declined by an engine this fast,
+    # except that a rate unmeasured for 5 s is forgotten (CopyRate's stale_after_s) and measured
+    # again by the next hit: on a loaded machine (two test runs at once) the 12 requests can take
+    # longer than that, and each 5 s may serve one more hit.
+    remeasured = int(took // 5.0)
+    assert 1 <= d.hits <= 1 + remeasured and d.hits + d.hits_trimmed == 9 and d.pages_recomputed > 8
     assert s.hits == 9 and s.hits_trimmed == 0 and s.load_bytes_per_s > 0
     assert sum(r.cached_tokens for r in declined) < sum(r.cached_tokens for r in served) // 4
 
