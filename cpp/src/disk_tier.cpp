@@ -14,6 +14,7 @@
 #include <cstdio>
 #include <cstring>
 #include <deque>
+#include <filesystem>
 #include <functional>
 #include <future>
 #include <map>
@@ -207,9 +208,9 @@ struct DiskTier::Impl {
   void note(const std::string& what) { st.last_error = what; }  // mu held (or opening)
 
   void open_directory() {
-    if (::mkdir(o.path.c_str(), 0700) != 0 && errno != EEXIST) {
-      throw Error("DiskTier: cannot create directory '" + o.path + "': " + errno_text(errno));
-    }
+    std::error_code ec;  // with its parents: a rank's subdirectory of a directory not made yet
+    std::filesystem::create_directories(o.path, ec);
+    if (ec) throw Error("DiskTier: cannot create directory '" + o.path + "': " + ec.message());
     struct stat sd{};
     if (::stat(o.path.c_str(), &sd) != 0 || !S_ISDIR(sd.st_mode)) {
       throw Error("DiskTier: '" + o.path + "' is not a directory");

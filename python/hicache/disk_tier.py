@@ -19,10 +19,10 @@ class DiskTier(_CoreDiskTier):
     found, and a torn or damaged file is a miss.
 
     Args:
-        path: the directory (created if absent). One process writes it: a second ``DiskTier`` on
-            it is refused (``hicache.CacheError`` naming the holder's pid); caches of one process
-            share it by sharing this object. A directory this process cannot write is opened
-            read-only (served, not written).
+        path: the directory (created if absent, with its parents). One process writes it: a
+            second ``DiskTier`` on it is refused (``hicache.CacheError`` naming the holder's
+            pid); caches of one process share it by sharing this object. A directory this
+            process cannot write is opened read-only (served, not written).
         capacity_bytes: bytes of segment files the directory may hold (the oldest segment goes
             first; a page read from the older half is moved up, so pages in use stay).
         segment_bytes: bytes of one segment file; 0 (default): capacity/16 within 4-256 MiB.
@@ -58,8 +58,11 @@ class DiskTier(_CoreDiskTier):
         direct_io = _arrays.choice_arg("direct_io", direct_io, ("auto", "on", "off"))
         read_threads = _arrays.int_arg("read_threads", read_threads, 1, 64)
         super().__init__(p, capacity_bytes, segment_bytes, direct_io, read_threads)
+        self._opened = True
 
     def __repr__(self) -> str:
+        if not hasattr(self, "_opened"):
+            return "DiskTier(<not opened>)"
         s: dict[str, Any] = self.stats()
         return (
             f"DiskTier({self.path!r}, capacity_bytes={self.capacity_bytes}: {s['values']} pages, "

@@ -38,7 +38,7 @@
 namespace hicache {
 
 struct DiskTierOptions {
-  /// The directory (created if absent).
+  /// The directory (created if absent, with its parents).
   std::string path;
   /// Bytes of segment files the directory may hold.
   std::int64_t capacity_bytes = 0;
