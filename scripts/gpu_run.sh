@@ -15,6 +15,8 @@
 #               --cpu-cost mode, bench/research/small_pages.py (where a small-page call's time goes),
 #               bench/transfer_matmul.py (copies beside a bf16 matmul)
 #   paths       bench/layouts.py with every copy path forced (each path's limit per layout)
+#   disk        bench/disk_tier.py on the device machine's local disk (write-back, read, one-page
+#               hit beside a host hit, index rebuild), against a raw loop over the same directory
 #   bench-lowlevel  the C++ transfer benchmark (copier against cudaMemcpy variants, pinning) and
 #               what submitting DMA pieces costs (bench/research/dma_submit.cu)
 #   demo        hicache demo with a Llama-3-8B-shaped model, 8K-26K-token conversations
@@ -117,6 +119,11 @@ paths)
   run bench-paths python3 bench/layouts.py --paths dma,staged,kernel --pages 1024 \
     --max-batch 536870912 --reps 2 --no-both --json "$OUT/paths.json"
   cp "$LOGS/bench-paths.log" "$OUT/bench_paths.md"
+  ;;
+disk)
+  run bench-disk python3 bench/disk_tier.py --dir /tmp/hicache-disk-bench --total-mib 2048 --reps 3
+  cp "$LOGS/bench-disk.log" "$OUT/bench_disk.md"
+  rm -rf /tmp/hicache-disk-bench
   ;;
 bench-lowlevel)
   run bench-transfer build/gpu/hicache_bench_transfer --pool-gib ${POOL_GIB:-32} --out "$OUT/bench_transfer.md"
