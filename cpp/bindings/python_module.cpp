@@ -856,6 +856,66 @@ NB_MODULE(_core, m) {
         return d;
       });
 
+  nb::class_<hicache::PageStore>(
+      m, "PageStore",
+      "Pages named by an engine's own keys, gathered from pieces of its host pool, in a Tier "
+      "as checked values (page_store.hpp; hicache.sglang uses it)")
+      .def(
+          "__init__",
+          [](hicache::PageStore* self, std::shared_ptr<hicache::Tier> tier, std::string space,
+             std::vector<std::size_t> piece_bytes, double timeout_s) {
+            hicache::PageStoreOptions o;
+            o.space = std::move(space);
+            o.piece_bytes = std::move(piece_bytes);
+            o.timeout = std::chrono::microseconds(static_cast<std::int64_t>(timeout_s * 1e6));
+            new (self) hicache::PageStore(std::move(tier), std::move(o));
+          },
+          "tier"_a, "space"_a, "piece_bytes"_a, "timeout_s"_a = 30.0)
+      .def(
+          "put",
+          [](hicache::PageStore& s, const std::vector<std::string>& keys,
+             const std::optional<std::string>& first_parent,
+             const std::vector<std::uintptr_t>& pieces) {
+            const auto r = s.put(keys, first_parent, pieces);
+            return std::vector<bool>(r.begin(), r.end());
+          },
+          "keys"_a, "first_parent"_a.none(), "pieces"_a, nb::call_guard<nb::gil_scoped_release>(),
+          "Writes each page (its pieces, page after page, in `pieces`); per page, whether the "
+          "tier took it. keys[0]'s parent is `first_parent` (\"\" at a chain's start).")
+      .def(
+          "get",
+          [](hicache::PageStore& s, const std::vector<std::string>& keys,
+             const std::optional<std::string>& first_parent,
+             const std::vector<std::uintptr_t>& pieces) {
+            const auto r = s.get(keys, first_parent, pieces);
+            return std::vector<bool>(r.begin(), r.end());
+          },
+          "keys"_a, "first_parent"_a.none(), "pieces"_a, nb::call_guard<nb::gil_scoped_release>(),
+          "Reads each page into its pieces; per page, whether it was found and checked (a page "
+          "that failed leaves its pieces undefined).")
+      .def(
+          "exists",
+          [](hicache::PageStore& s, const std::vector<std::string>& keys) {
+            const auto r = s.exists(keys);
+            return std::vector<bool>(r.begin(), r.end());
+          },
+          "keys"_a, nb::call_guard<nb::gil_scoped_release>())
+      .def("value_name", &hicache::PageStore::value_name, "key"_a)
+      .def_prop_ro("page_bytes", &hicache::PageStore::page_bytes)
+      .def_prop_ro("pieces", &hicache::PageStore::pieces)
+      .def("stats", [](const hicache::PageStore& s) {
+        const hicache::PageStoreStats st = s.stats();
+        nb::dict d;
+        d["pages_put"] = st.pages_put;
+        d["pages_put_failed"] = st.pages_put_failed;
+        d["pages_got"] = st.pages_got;
+        d["pages_missing"] = st.pages_missing;
+        d["pages_rejected"] = st.pages_rejected;
+        d["tier_errors"] = st.tier_errors;
+        d["last_error"] = st.last_error;
+        return d;
+      });
+
   nb::class_<hicache::CacheStats>(m, "CacheStats")
       .def_ro("lookups", &hicache::CacheStats::lookups)
       .def_ro("lookup_tokens", &hicache::CacheStats::lookup_tokens)

@@ -8,6 +8,7 @@
 #include "hicache/hash_chain.hpp"
 #include "hicache/tier_record.hpp"
 #include "page_threads.hpp"
+#include "tier_wait.hpp"
 
 namespace hicache {
 namespace {
@@ -429,28 +430,7 @@ void TierLink::drop_round(Round& round, Clock::time_point deadline) {
 
 std::optional<std::vector<std::int64_t>> TierLink::wait(std::int64_t batch,
                                                         Clock::time_point deadline) {
-  auto pause = std::chrono::microseconds(5);
-  bool waited = false;  // the last try ended in a wait() that said it blocked
-  for (;;) {
-    {
-      std::lock_guard<std::mutex> t(tier_mu_);
-      if (auto r = tier_->poll(batch)) return r;
-    }
-    const auto now = Clock::now();
-    if (now >= deadline) return std::nullopt;
-    // Without tier_mu_: another thread may put or fetch meanwhile. At most a second at a time,
-    // so that a backend that misses a completion costs a poll, not a hang. After a wait that
-    // ended with the batch still running, a pause: a backend whose wait() returns at once while
-    // saying it blocked is then polled as one that cannot block, instead of spinning.
-    if (!waited) {
-      const auto left = std::min<Clock::duration>(deadline - now, std::chrono::seconds(1));
-      waited = tier_->wait(batch, std::chrono::ceil<std::chrono::microseconds>(left));
-      if (waited) continue;
-    }
-    waited = false;
-    std::this_thread::sleep_for(pause);
-    pause = std::min(pause * 2, std::chrono::microseconds(100));
-  }
+  return detail::wait_for_batch(*tier_, tier_mu_, batch, deadline);
 }
 
 bool TierLink::settle() {

@@ -95,6 +95,13 @@ void encode_tier_value(std::byte* out, const Key& space, const Key& key, const K
   write_tier_record(out + page.size(), space, key, parent, tokens, page.size(), checksum);
 }
 
+Key tier_record_parent(std::span<const std::byte> value, std::size_t page_bytes) {
+  Key k;
+  // magic (8), space (16), page key (16), then the parent.
+  std::memcpy(k.bytes.data(), value.data() + page_bytes + 8 + 16 + 16, k.bytes.size());
+  return k;
+}
+
 TierPage check_tier_record(std::span<const std::byte> value, const Key& space, const Key& key,
                            const Key& parent, std::span<const std::int32_t> tokens,
                            std::size_t page_bytes, std::string& why) {

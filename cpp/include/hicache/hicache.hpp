@@ -21,6 +21,7 @@
 #include "hicache/load_or_recompute.hpp"
 #include "hicache/memory_tier.hpp"
 #include "hicache/page_layout.hpp"
+#include "hicache/page_store.hpp"
 #include "hicache/prefix_index.hpp"
 #include "hicache/shared_region.hpp"
 #include "hicache/slot_mover.hpp"

@@ -53,6 +53,10 @@ void write_tier_record(std::byte* out, const Key& space, const Key& key, const K
 void encode_tier_value(std::byte* out, const Key& space, const Key& key, const Key& parent,
                        std::span<const std::int32_t> tokens, std::span<const std::byte> page);
 
+/// The parent key recorded in a value of a page of `page_bytes` (unchecked: check_tier_record
+/// decides whether the value is one). `value` must hold at least the page and a record.
+Key tier_record_parent(std::span<const std::byte> value, std::size_t page_bytes);
+
 /// A page in a value whose record matched (check_tier_record), with the checksum its writer
 /// recorded: not yet checked against its bytes.
 struct TierPage {
