@@ -92,6 +92,20 @@ vvenv=$root/build/vllm-venv
   { cat "$logs/pip-vllm-hicache.log"; exit 1; }
 (cd tests/vllm && "$vvenv/bin/python" -m pytest -q -s -p no:cacheprovider .)
 
+step "SGLang's cache controller backs up to and prefetches from hicache: its own venv (build/sglang-venv, ~6 GB)"
+svenv=$root/build/sglang-venv
+[ -x "$svenv/bin/python" ] || python3 -m venv "$svenv"
+"$svenv/bin/python" -m pip install -q -r requirements-sglang.txt >"$logs/pip-sglang.log" 2>&1 ||
+  { tail -40 "$logs/pip-sglang.log"; exit 1; }
+# SGLang's own dependency set pulls CUDA kernels and GPU-only wheels: it goes in without them.
+"$svenv/bin/python" -m pip install -q --no-deps sglang==0.5.23 >>"$logs/pip-sglang.log" 2>&1 ||
+  { tail -40 "$logs/pip-sglang.log"; exit 1; }
+"$svenv/bin/python" -m pip install -q --no-build-isolation --no-deps -C build-dir=build/sglang-wheel \
+  -C cmake.define.HICACHE_BUILD_CUDA=OFF . >"$logs/pip-sglang-hicache.log" 2>&1 ||
+  { cat "$logs/pip-sglang-hicache.log"; exit 1; }
+(cd tests/sglang && "$svenv/bin/python" -m pytest -q -p no:cacheprovider -W ignore::DeprecationWarning \
+  -W ignore::UserWarning .)
+
 step "fuzz: 20,000 coverage-guided inputs, C++ cache against the reference (atheris)"
 python tests/fuzz/fuzz_policy.py -runs=20000 -max_len=512 -len_control=0 -seed=1 >"$logs/fuzz.log" 2>&1 ||
   { tail -40 "$logs/fuzz.log"; exit 1; }

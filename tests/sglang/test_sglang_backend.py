@@ -1,0 +1,296 @@
+"""hicache.sglang under SGLang's own cache controller: every page SGLang prefetches is the page it
+backed up, byte for byte; every way a stored page can be wrong is a miss in SGLang's accounting.
+
+Runs in build/sglang-venv (scripts/test_all.sh): SGLang 0.5.23 installed with --no-deps beside a
+CPU-runnable torch. The SGLang server itself does not run on a machine without a GPU (docs/sglang.md
+says what stops it); this is the deepest level of SGLang that does.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import zlib
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from sglang_rig import PAGE, backup, hicache_config, make_rig, page_hashes, prefetch
+
+TOKENS = list(range(1000, 1040))  # 10 pages of 4 tokens
+HERE = Path(__file__).parent
+
+
+def tier_options(tier: str, tmp_path: Path) -> dict[str, Any]:
+    if tier == "disk":
+        return {"tier": "disk", "path": str(tmp_path / "l3"), "capacity_bytes": 64 << 20}
+    return {"tier": "memory"}
+
+
+@pytest.mark.parametrize("tier", ["memory", "disk"])
+@pytest.mark.parametrize(
+    ("kind", "layout"),
+    [("mha", "layer_first"), ("mha", "page_first"), ("mla", "layer_first"), ("mla", "page_first")],
+)
+def test_every_page_sglang_prefetches_is_the_page_it_backed_up(
+    kind: str, layout: str, tier: str, tmp_path: Path
+) -> None:
+    rig = make_rig(kind, layout, extra=hicache_config(**tier_options(tier, tmp_path)))
+    try:
+        keys, written = backup(rig, TOKENS, seed=1)
+        assert rig.backend.batch_exists(keys) == 10
+        loaded, got = prefetch(rig, TOKENS, "r1")
+        assert loaded == len(TOKENS) and got == written
+        # A continuation: SGLang holds the first 4 pages already and prefetches the rest after
+        # them, naming the last key it holds (and, with prefix keys on, the keys before).
+        loaded, got = prefetch(rig, TOKENS[16:], "r2", last_hash=keys[3], prefix_keys=keys[:4])
+        assert loaded == 24 and got == written[4:]
+        # A prompt that shares only the first 6 pages: the hit ends where the prompts part.
+        other = TOKENS[:24] + [7] * 16
+        loaded, got = prefetch(rig, other, "r3")
+        assert loaded == 24 and got == written[:6]
+        stats = rig.backend.stats()["kv"]
+        assert stats["pages_got"] == 10 + 6 + 6 and stats["pages_rejected"] == 0
+    finally:
+        rig.close()
+
+
+def test_negative_control_the_byte_check_catches_a_backend_that_loads_nothing(tmp_path: Path) -> None:
+    # A backend that says every page loaded but writes none: the check above must fail for it.
+    rig = make_rig(
+        extra={
+            "backend_name": "liar",
+            "module_path": "liar_backend",
+            "class_name": "LiarStorage",
+            "interface_v1": 1,
+        }
+    )
+    try:
+        _, written = backup(rig, TOKENS, seed=2)
+        loaded, got = prefetch(rig, TOKENS, "liar")
+        assert loaded == len(TOKENS) and got != written
+    finally:
+        rig.close()
+
+
+def _corrupt_memory_value(rig: Any, key: str, edit: str) -> None:
+    tier = rig.backend.tier
+    name = rig.backend._stores["kv"].value_name(key)
+    if edit == "flip":
+        value = bytearray(tier.value(name))
+        value[17] ^= 1
+        tier.set_value(name, bytes(value))
+    elif edit == "truncate":
+        tier.truncate(name, len(tier.value(name)) - 100)
+    else:
+        assert tier.erase(name)
+
+
+@pytest.mark.parametrize("edit", ["flip", "truncate", "erase"])
+def test_a_damaged_or_missing_page_ends_the_hit_there_and_is_never_loaded(edit: str) -> None:
+    rig = make_rig()
+    try:
+        keys, written = backup(rig, TOKENS, seed=3)
+        _corrupt_memory_value(rig, keys[5], edit)
+        loaded, got = prefetch(rig, TOKENS, "r1")
+        assert loaded == 5 * PAGE and got == written[:5]
+        stats = rig.backend.stats()["kv"]
+        if edit == "erase":  # SGLang's existence query already stops before it
+            assert stats["pages_got"] == 5
+        else:
+            assert stats["pages_rejected"] == 1
+    finally:
+        rig.close()
+
+
+def test_sglangs_own_file_backend_serves_the_same_flipped_byte(tmp_path: Path) -> None:
+    # What the check above buys: SGLang's built-in file backend, the same page damaged on disk,
+    # loads the wrong bytes and counts the page as a hit.
+    rig = make_rig(backend="file", extra={"file_storage_path": str(tmp_path / "file")})
+    try:
+        keys, written = backup(rig, TOKENS, seed=4)
+        (path,) = [p for p in (tmp_path / "file").iterdir() if p.name.startswith(keys[5])]
+        data = bytearray(path.read_bytes())
+        data[17] ^= 1
+        path.write_bytes(bytes(data))
+        loaded, got = prefetch(rig, TOKENS, "r1")
+        assert loaded == len(TOKENS)
+        assert got[:5] == written[:5] and got[5] != written[5]
+    finally:
+        rig.close()
+
+
+def test_pages_of_another_model_layout_or_dtype_are_never_read(tmp_path: Path) -> None:
+    options = hicache_config(**tier_options("disk", tmp_path))
+    rig = make_rig(extra=options)
+    try:
+        backup(rig, TOKENS, seed=5)
+    finally:
+        rig.close()
+    for other in (
+        {"model": "another-model"},
+        {"layout": "page_first"},
+        {"dtype": torch.bfloat16},
+    ):
+        rig = make_rig(extra=options, **other)
+        try:
+            assert prefetch(rig, TOKENS, "r1") == (0, []), other
+        finally:
+            rig.close()
+    rig = make_rig(extra=options)  # and the writer's own layout still reads them
+    try:
+        assert prefetch(rig, TOKENS, "r1")[0] == len(TOKENS)
+    finally:
+        rig.close()
+
+
+def test_a_new_process_serves_what_an_earlier_one_wrote_exact_to_the_byte(tmp_path: Path) -> None:
+    options = hicache_config(**tier_options("disk", tmp_path))
+    script = HERE / "restart_child.py"
+    env = {**os.environ, "PYTHONPATH": str(HERE)}
+    out = tmp_path / "written.json"
+    subprocess.run(
+        [sys.executable, str(script), "write", json.dumps(options), str(out)],
+        check=True,
+        env=env,
+        timeout=300,
+    )
+    written = json.loads(out.read_text())
+    assert len(written) == 10
+    rig = make_rig(extra=options)
+    try:
+        loaded, got = prefetch(rig, TOKENS, "after-restart")
+        assert loaded == len(TOKENS)
+        assert [zlib.crc32(p) for p in got] == written
+        assert rig.backend.stats()["disk"]["values"] == 10
+    finally:
+        rig.close()
+
+
+def test_a_process_killed_while_backing_up_leaves_no_wrong_page(tmp_path: Path) -> None:
+    options = hicache_config(**tier_options("disk", tmp_path))
+    script = HERE / "restart_child.py"
+    env = {**os.environ, "PYTHONPATH": str(HERE)}
+    child = subprocess.Popen(
+        [sys.executable, str(script), "write-forever", json.dumps(options), str(tmp_path / "log")], env=env
+    )
+    log = tmp_path / "log"
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and child.poll() is None:  # a few rounds backed up
+            if log.exists() and len(log.read_text().splitlines()) >= 3:
+                break
+            time.sleep(0.05)
+        assert child.poll() is None, "the writer ended before it was killed"
+        child.kill()  # SIGKILL, mid-write or not
+        child.wait(timeout=30)
+    finally:
+        if child.poll() is None:
+            child.kill()
+    rounds = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
+    assert len(rounds) >= 3
+    rig = make_rig(extra=options)
+    try:
+        for r in rounds:  # every round the child logged as backed up is served exactly
+            tokens = r["tokens"]
+            loaded, got = prefetch(rig, tokens, f"round-{r['seed']}")
+            assert loaded == len(tokens)
+            assert [zlib.crc32(p) for p in got] == r["crc"]
+        assert rig.backend.stats()["kv"]["pages_rejected"] == 0
+    finally:
+        rig.close()
+
+
+def test_a_failing_tier_is_a_miss_never_an_exception() -> None:
+    rig = make_rig()
+    try:
+        _, written = backup(rig, TOKENS, seed=6)
+        rig.backend.tier.fail_next(1)  # the existence query fails: no hit
+        assert prefetch(rig, TOKENS, "r1") == (0, [])
+        loaded, got = prefetch(rig, TOKENS, "r2")
+        assert loaded == len(TOKENS) and got == written
+        assert rig.backend.stats()["kv"]["tier_errors"] == 10
+    finally:
+        rig.close()
+
+
+def test_the_generic_interface_without_interface_v1_round_trips_too() -> None:
+    options = hicache_config(tier="memory")
+    del options["interface_v1"]
+    rig = make_rig(extra=options)
+    try:
+        assert rig.controller.page_get_func.__name__ == "_generic_page_get"
+        _, written = backup(rig, TOKENS, seed=7)
+        loaded, got = prefetch(rig, TOKENS, "r1")
+        assert loaded == len(TOKENS) and got == written
+        assert rig.backend.stats()["kv-flat"]["pages_got"] == 10
+    finally:
+        rig.close()
+
+
+def test_storage_metrics_are_reported_in_sglangs_terms() -> None:
+    rig = make_rig(metrics=True)
+    try:
+        backup(rig, TOKENS, seed=8)
+        prefetch(rig, TOKENS, "r1")
+        m = rig.backend.get_stats()
+        assert type(m).__name__ == "StorageMetrics"
+        assert m.backup_pgs == [10] and m.prefetch_pgs == [10]
+        assert all(bw > 0 for bw in m.backup_bandwidth + m.prefetch_bandwidth)
+        assert rig.backend.get_stats().prefetch_pgs == []  # since the last call
+    finally:
+        rig.close()
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"tier": "memory", "tierr": 1}, "unknown extra-config key(s) ['tierr']"),
+        ({"tier": "floppy"}, "tier must be one of"),
+        ({"tier": "disk"}, "needs 'path' and 'capacity_bytes'"),
+        ({"tier": "memory", "timeout_s": 0}, "timeout_s must be"),
+    ],
+)
+def test_bad_options_are_refused_by_name(options: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=None) as e:
+        make_rig(extra=hicache_config(**options))
+    assert message in str(e.value)
+
+
+def test_what_it_cannot_store_exactly_is_refused_at_start_up(tmp_path: Path) -> None:
+    from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
+
+    from hicache.sglang import HicacheStorage
+
+    mla_tp2 = HiCacheStorageConfig(
+        tp_rank=0,
+        tp_size=2,
+        pp_rank=0,
+        pp_size=1,
+        attn_cp_rank=0,
+        attn_cp_size=1,
+        is_mla_model=True,
+        enable_storage_metrics=False,
+        is_page_first_layout=False,
+        model_name="m",
+        extra_config={"tier": "disk", "path": str(tmp_path), "capacity_bytes": 1 << 24},
+    )
+    with pytest.raises(NotImplementedError, match="use tier 'mooncake'"):
+        HicacheStorage(mla_tp2, {})
+    rig = make_rig()
+    try:
+        with pytest.raises(NotImplementedError, match="mamba"):
+            rig.backend.register_mem_host_pool_v2(rig.host, "mamba")
+    finally:
+        rig.close()
+
+
+def test_keys_are_sglangs_own_page_hashes() -> None:
+    # The backend is handed SGLang's chained SHA-256 keys; a continuation's keys chain from the
+    # last key before it, which is what the parent check compares.
+    keys = page_hashes(TOKENS)
+    assert page_hashes(TOKENS[16:], keys[3]) == keys[4:]
