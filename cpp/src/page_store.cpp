@@ -1,9 +1,11 @@
 #include "hicache/page_store.hpp"
 
+#include <algorithm>
 #include <cstring>
 #include <stdexcept>
 #include <string_view>
 
+#include "disk_segment.hpp"
 #include "hicache/hash_chain.hpp"
 #include "hicache/tier_record.hpp"
 #include "page_checksum.hpp"
@@ -11,7 +13,13 @@
 
 namespace hicache {
 
+PageStore::~PageStore() = default;
+
 namespace {
+
+// Values a tier batch carries at most, in bytes: a call's pages go in chunks of about this much,
+// the next one gathered (or the last one checked) while the tier moves this one.
+constexpr std::size_t kChunkBytes = std::size_t{32} << 20;
 
 // Records of these values carry no tokens: the engine's key stands for them (SGLang's is a
 // SHA-256 chain over the page's tokens and its parent's key).
@@ -97,7 +105,10 @@ void PageStoreOptions::validate() const {
 }
 
 PageStore::PageStore(std::shared_ptr<Tier> tier, PageStoreOptions options)
-    : tier_(std::move(tier)), options_(std::move(options)) {
+    : tier_(std::move(tier)),
+      options_(std::move(options)),
+      put_staging_(std::make_unique<Staging>()),
+      get_staging_(std::make_unique<Staging>()) {
   if (!tier_) throw std::invalid_argument("PageStore: tier is null");
   options_.validate();
   for (std::size_t b : options_.piece_bytes) page_bytes_ += b;
@@ -131,44 +142,85 @@ std::optional<std::vector<std::int64_t>> PageStore::finish(std::int64_t batch, s
   return r;
 }
 
+// A batch of values in the tier, from or into one of the two staging buffers.
+struct PageStore::Flight {
+  std::int64_t batch = -1;
+  std::size_t from = 0, count = 0;
+  bool used = false;
+};
+
+struct PageStore::Staging {
+  std::mutex mu;  // one put (or get) at a time uses the buffers
+  detail::AlignedBuffer buf[2];
+};
+
+std::size_t PageStore::chunk_pages() const {
+  return std::max<std::size_t>(1, kChunkBytes / value_bytes_);
+}
+
+void PageStore::check_pieces(const char* what, std::size_t keys, std::size_t pieces) const {
+  if (pieces != keys * this->pieces()) {
+    throw std::invalid_argument(std::string("PageStore.") + what + ": " + std::to_string(pieces) +
+                                " piece addresses for " + std::to_string(keys) + " pages of " +
+                                std::to_string(this->pieces()) + " pieces");
+  }
+}
+
 std::vector<std::uint8_t> PageStore::put(std::span<const std::string> keys,
                                          const std::optional<std::string>& first_parent,
                                          std::span<const std::uintptr_t> pieces) {
   const std::size_t n = keys.size(), per = this->pieces();
-  if (pieces.size() != n * per) {
-    throw std::invalid_argument("PageStore.put: " + std::to_string(pieces.size()) +
-                                " piece addresses for " + std::to_string(n) + " pages of " +
-                                std::to_string(per) + " pieces");
-  }
+  check_pieces("put", n, pieces.size());
   std::vector<std::uint8_t> ok(n, 0);
   if (n == 0) return ok;
-  std::vector<std::byte> staging(n * value_bytes_);
-  std::vector<std::string> names(n);
-  std::vector<const std::byte*> values(n);
-  std::vector<std::size_t> sizes(n, value_bytes_);
-  Key parent = parent_key(first_parent);
-  for (std::size_t i = 0; i < n; ++i) {
-    std::byte* v = staging.data() + i * value_bytes_;
-    const std::uint64_t sum =
-        gather(pieces.subspan(i * per, per), options_.piece_bytes, v, page_bytes_);
-    const Key key = engine_key(keys[i]);
-    write_tier_record(v + page_bytes_, space_, key, parent, kNoTokens, page_bytes_, sum);
-    parent = key;
-    names[i] = value_name(keys[i]);
-    values[i] = v;
-  }
-  std::int64_t batch;
-  {
-    std::lock_guard<std::mutex> t(tier_mu_);
-    batch = tier_->put(names, values, sizes);
-  }
-  const auto r = finish(batch, n);
+  std::lock_guard<std::mutex> use(put_staging_->mu);
   std::int64_t done = 0, failed = 0, errors = 0;
-  for (std::size_t i = 0; i < n; ++i) {
-    ok[i] = r && (*r)[i] >= 0;
-    ok[i] ? ++done : ++failed;
-    if (!r || (*r)[i] == Tier::kFailed) ++errors;
+  Flight flight[2];
+  // A batch's values stay in its buffer until it completed: its results are taken before the
+  // buffer is filled again, two chunks later.
+  auto settle = [&](Flight& f) {
+    if (!f.used) return;
+    f.used = false;
+    const auto r = finish(f.batch, f.count);
+    for (std::size_t i = 0; i < f.count; ++i) {
+      const bool good = r && (*r)[i] >= 0;
+      ok[f.from + i] = good;
+      good ? ++done : ++failed;
+      if (!r || (*r)[i] == Tier::kFailed) ++errors;
+    }
+  };
+  Key parent = parent_key(first_parent);
+  const std::size_t chunk = chunk_pages();
+  std::vector<std::string> names;
+  std::vector<const std::byte*> values;
+  for (std::size_t from = 0, c = 0; from < n; from += chunk, ++c) {
+    Flight& f = flight[c % 2];
+    settle(f);
+    const std::size_t count = std::min(chunk, n - from);
+    detail::AlignedBuffer& buf = put_staging_->buf[c % 2];
+    buf.reserve(count * value_bytes_);
+    names.assign(count, {});
+    values.assign(count, nullptr);
+    for (std::size_t i = 0; i < count; ++i) {
+      std::byte* v = buf.data() + i * value_bytes_;
+      const std::uint64_t sum =
+          gather(pieces.subspan((from + i) * per, per), options_.piece_bytes, v, page_bytes_);
+      const Key key = engine_key(keys[from + i]);
+      write_tier_record(v + page_bytes_, space_, key, parent, kNoTokens, page_bytes_, sum);
+      parent = key;
+      names[i] = value_name(keys[from + i]);
+      values[i] = v;
+    }
+    const std::vector<std::size_t> sizes(count, value_bytes_);
+    {
+      std::lock_guard<std::mutex> t(tier_mu_);
+      f.batch = tier_->put(names, values, sizes);
+    }
+    f = Flight{f.batch, from, count, true};
   }
+  const std::size_t last = (n - 1) / chunk;
+  settle(flight[(last + 1) % 2]);  // the chunk before the last (if any), then the last
+  settle(flight[last % 2]);
   std::lock_guard<std::mutex> s(stats_mu_);
   stats_.pages_put += done;
   stats_.pages_put_failed += failed;
@@ -180,55 +232,69 @@ std::vector<std::uint8_t> PageStore::get(std::span<const std::string> keys,
                                          const std::optional<std::string>& first_parent,
                                          std::span<const std::uintptr_t> pieces) {
   const std::size_t n = keys.size(), per = this->pieces();
-  if (pieces.size() != n * per) {
-    throw std::invalid_argument("PageStore.get: " + std::to_string(pieces.size()) +
-                                " piece addresses for " + std::to_string(n) + " pages of " +
-                                std::to_string(per) + " pieces");
-  }
+  check_pieces("get", n, pieces.size());
   std::vector<std::uint8_t> ok(n, 0);
   if (n == 0) return ok;
-  std::vector<std::byte> staging(n * value_bytes_);
-  std::vector<std::string> names(n);
-  std::vector<std::byte*> dests(n);
-  for (std::size_t i = 0; i < n; ++i) {
-    names[i] = value_name(keys[i]);
-    dests[i] = staging.data() + i * value_bytes_;
-  }
-  std::int64_t batch;
-  {
+  std::lock_guard<std::mutex> use(get_staging_->mu);
+  const std::size_t chunk = chunk_pages();
+  const std::size_t chunks = (n + chunk - 1) / chunk;
+  Flight flight[2];
+  std::vector<std::string> names;
+  std::vector<std::byte*> dests;
+  // Chunk c is read into buffer c % 2 while chunk c - 1 is checked and scattered.
+  auto submit = [&](std::size_t c) {
+    const std::size_t from = c * chunk, count = std::min(chunk, n - from);
+    detail::AlignedBuffer& buf = get_staging_->buf[c % 2];
+    buf.reserve(count * value_bytes_);
+    names.assign(count, {});
+    dests.assign(count, nullptr);
+    for (std::size_t i = 0; i < count; ++i) {
+      names[i] = value_name(keys[from + i]);
+      dests[i] = buf.data() + i * value_bytes_;
+    }
     std::lock_guard<std::mutex> t(tier_mu_);
-    batch = tier_->get(names, dests, value_bytes_);
-  }
-  const auto r = finish(batch, n);
+    flight[c % 2] = Flight{tier_->get(names, dests, value_bytes_), from, count, true};
+  };
   std::int64_t got = 0, missing = 0, rejected = 0, errors = 0;
   std::string why, last_why;
   Key parent = parent_key(first_parent);
-  for (std::size_t i = 0; i < n; ++i) {
-    const Key key = engine_key(keys[i]);
-    if (!r || (*r)[i] == Tier::kFailed) {
-      ++errors;
-    } else if ((*r)[i] < 0) {
-      ++missing;
-    } else {
-      const std::span<const std::byte> value{dests[i], static_cast<std::size_t>((*r)[i])};
-      // An unknown first parent: the record's own parent stands in (a value too short for a
-      // record fails the size check all the same).
-      if (i == 0 && !first_parent && value.size() == value_bytes_) {
-        parent = tier_record_parent(value, page_bytes_);
-      }
-      const TierPage page =
-          check_tier_record(value, space_, key, parent, kNoTokens, page_bytes_, why);
-      if (!page.bytes.empty() &&
-          scatter(page, pieces.subspan(i * per, per), options_.piece_bytes)) {
-        ok[i] = 1;
-        ++got;
+  submit(0);
+  if (chunks > 1) submit(1);
+  for (std::size_t c = 0; c < chunks; ++c) {
+    Flight& f = flight[c % 2];
+    f.used = false;
+    const auto r = finish(f.batch, f.count);
+    const std::byte* base = get_staging_->buf[c % 2].data();
+    for (std::size_t i = 0; i < f.count; ++i) {
+      const std::size_t k = f.from + i;
+      const Key key = engine_key(keys[k]);
+      if (!r || (*r)[i] == Tier::kFailed) {
+        ++errors;
+      } else if ((*r)[i] < 0) {
+        ++missing;
       } else {
-        ++rejected;
-        last_why =
-            keys[i] + ": " + (page.bytes.empty() ? why : "page bytes do not match their checksum");
+        const std::span<const std::byte> value{base + i * value_bytes_,
+                                               static_cast<std::size_t>((*r)[i])};
+        // An unknown first parent: the record's own parent stands in (a value too short for a
+        // record fails the size check all the same).
+        if (k == 0 && !first_parent && value.size() == value_bytes_) {
+          parent = tier_record_parent(value, page_bytes_);
+        }
+        const TierPage page =
+            check_tier_record(value, space_, key, parent, kNoTokens, page_bytes_, why);
+        if (!page.bytes.empty() &&
+            scatter(page, pieces.subspan(k * per, per), options_.piece_bytes)) {
+          ok[k] = 1;
+          ++got;
+        } else {
+          ++rejected;
+          last_why = keys[k] + ": " +
+                     (page.bytes.empty() ? why : "page bytes do not match their checksum");
+        }
       }
+      parent = key;
     }
-    parent = key;
+    if (c + 2 < chunks) submit(c + 2);
   }
   std::lock_guard<std::mutex> s(stats_mu_);
   stats_.pages_got += got;

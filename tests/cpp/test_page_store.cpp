@@ -5,7 +5,6 @@
 
 #include <cstring>
 #include <memory>
-#include <random>
 #include <string>
 #include <thread>
 #include <vector>
@@ -21,17 +20,17 @@ using hicache::PageStoreOptions;
 // A host pool laid out layer-first, as SGLang's: page p's piece of layer l (K, then V) lies at
 // pool[(l * 2 + kv) * slots + p] (each a `piece` bytes), so a page is 2 * layers pieces apart.
 struct Pool {
-  static constexpr std::size_t kLayers = 3, kSlots = 8;
-  std::size_t piece;
+  static constexpr std::size_t kLayers = 3;
+  std::size_t piece, slots;
   std::vector<std::byte> bytes;
-  explicit Pool(std::size_t piece_bytes)
-      : piece(piece_bytes), bytes(kLayers * 2 * kSlots * piece) {}
+  explicit Pool(std::size_t piece_bytes, std::size_t slot_count = 8)
+      : piece(piece_bytes), slots(slot_count), bytes(kLayers * 2 * slots * piece) {}
   std::uintptr_t at(std::size_t slot, std::size_t j) {
-    return reinterpret_cast<std::uintptr_t>(bytes.data() + (j * kSlots + slot) * piece);
+    return reinterpret_cast<std::uintptr_t>(bytes.data() + (j * slots + slot) * piece);
   }
-  std::vector<std::uintptr_t> pieces(const std::vector<std::size_t>& slots) {
+  std::vector<std::uintptr_t> pieces(const std::vector<std::size_t>& which) {
     std::vector<std::uintptr_t> out;
-    for (std::size_t s : slots) {
+    for (std::size_t s : which) {
       for (std::size_t j = 0; j < kLayers * 2; ++j) out.push_back(at(s, j));
     }
     return out;
@@ -44,9 +43,15 @@ struct Pool {
     }
     return out;
   }
-  void fill(std::uint32_t seed) {
-    std::mt19937 rng(seed);
-    for (auto& b : bytes) b = static_cast<std::byte>(rng());
+  void fill(std::uint64_t seed) {  // splitmix64, a word at a time (pools of 100 MiB, sanitized)
+    std::uint64_t x = seed;
+    for (std::size_t i = 0; i + 8 <= bytes.size(); i += 8) {
+      std::uint64_t z = (x += 0x9e3779b97f4a7c15ULL);
+      z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+      z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+      z ^= z >> 31;
+      std::memcpy(bytes.data() + i, &z, 8);
+    }
   }
 };
 
@@ -158,6 +163,41 @@ TEST(PageStore, NegativeControlTheSameEditsUncheckedWouldServeWrongBytes) {
   tier->edit(store.value_name("k0"), [&](std::vector<std::byte>& v) { after = v; });
   EXPECT_NE(before, after);
   EXPECT_EQ(std::vector<std::byte>(before.begin(), before.begin() + 6 * 1024), a.page(0));
+}
+
+TEST(PageStore, ACallOfManyChunksChainsAcrossThemAndFailsOnlyTheDamagedPages) {
+  // 6 MiB pages: five to a 32 MiB chunk, so 16 pages go in four batches, two in flight.
+  constexpr std::size_t kPiece = std::size_t{1} << 20, kPages = 16;
+  auto tier = std::make_shared<MemoryTier>();
+  PageStore store(tier, options(kPiece));
+  Pool a(kPiece, kPages), b(kPiece, kPages);
+  a.fill(8);
+  b.fill(9);
+  Keys keys;
+  std::vector<std::size_t> slots, reversed;
+  for (std::size_t i = 0; i < kPages; ++i) {
+    keys.push_back("p" + std::to_string(i));
+    slots.push_back(i);
+    reversed.push_back(kPages - 1 - i);
+  }
+  ASSERT_EQ(store.put(keys, "", a.pieces(slots)), std::vector<std::uint8_t>(kPages, 1));
+  EXPECT_GE(tier->batches(), 4);
+  // Page 7 (the second chunk) damaged, page 12 (the third) missing: only they fail; the pages
+  // after them still chain to the keys before them.
+  ASSERT_TRUE(tier->edit(store.value_name("p7"),
+                         [](std::vector<std::byte>& v) { v[4096] ^= std::byte{1}; }));
+  ASSERT_TRUE(tier->erase(store.value_name("p12")));
+  std::vector<std::uint8_t> want(kPages, 1);
+  want[7] = want[12] = 0;
+  EXPECT_EQ(store.get(keys, "", b.pieces(reversed)), want);
+  for (std::size_t i = 0; i < kPages; ++i) {
+    if (want[i]) {
+      EXPECT_EQ(b.page(kPages - 1 - i), a.page(i)) << "page " << i;
+    }
+  }
+  EXPECT_EQ(store.stats().pages_got, 14);
+  EXPECT_EQ(store.stats().pages_rejected, 1);
+  EXPECT_EQ(store.stats().pages_missing, 1);
 }
 
 TEST(PageStore, TierFailuresAreMissesAndCounted) {

@@ -12,8 +12,12 @@
 // model, layout or rank wrote under the same name, a value whose chain differs, a torn or
 // damaged value is a miss, counted, never bytes in the engine's pool.
 //
+// A call's pages go to the tier in chunks of about 32 MiB, two in flight: the next chunk is
+// gathered (or the last one checked and scattered) while the tier moves this one.
+//
 // Thread safety: calls may come from several threads at once (SGLang's backup and prefetch
-// threads); tier calls are serialised (a Tier takes one call at a time), waits are not. The
+// threads); tier calls are serialised (a Tier takes one call at a time), waits are not; puts
+// run one at a time, as do gets (each direction keeps its two staging buffers). The
 // tier should not be shared with another PageStore or cache (each serialises on its own).
 
 #include <chrono>
@@ -57,6 +61,9 @@ class PageStore {
  public:
   /// @throws std::invalid_argument for a null tier or bad options.
   PageStore(std::shared_ptr<Tier> tier, PageStoreOptions options);
+  ~PageStore();
+  PageStore(const PageStore&) = delete;
+  PageStore& operator=(const PageStore&) = delete;
 
   std::size_t page_bytes() const { return page_bytes_; }
   std::size_t pieces() const { return options_.piece_bytes.size(); }
@@ -85,15 +92,20 @@ class PageStore {
   PageStoreStats stats() const;
 
  private:
+  struct Flight;
+  struct Staging;
   std::optional<std::vector<std::int64_t>> finish(std::int64_t batch, std::size_t n);
   void note_error(std::string what);
+  std::size_t chunk_pages() const;
+  void check_pieces(const char* what, std::size_t keys, std::size_t pieces) const;
 
   std::shared_ptr<Tier> tier_;
   PageStoreOptions options_;
   std::size_t page_bytes_ = 0;
   std::size_t value_bytes_ = 0;
   Key space_;
-  std::mutex tier_mu_;  // one tier call at a time
+  std::unique_ptr<Staging> put_staging_, get_staging_;  // two chunk buffers each, kept
+  std::mutex tier_mu_;                                  // one tier call at a time
   mutable std::mutex stats_mu_;
   PageStoreStats stats_;
 };
