@@ -20,9 +20,20 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-PAGE = 4  # tokens a page
-LAYERS = 3
+PAGE = 4  # tokens a page (the tests' shape)
 MODULE = "hicache.sglang"
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A model's KV shape and the pools' sizes. The tests' default is tiny; bench/sglang_backend.py
+    uses an 8B-shaped one."""
+
+    page: int = PAGE
+    layers: int = 3
+    heads: int = 2  # MHA: KV heads of this rank; MLA: unused
+    head_dim: int = 8
+    tokens: int = 256  # the device pool's; the host pool holds twice as many
 
 
 def start_sglang() -> None:
@@ -59,6 +70,7 @@ class Rig:
     controller: Any
     host: Any
     kind: str
+    page: int
 
     @property
     def backend(self) -> Any:
@@ -81,6 +93,7 @@ def make_rig(
     model: str = "tiny-llama",
     dtype: torch.dtype = torch.float16,
     metrics: bool = False,
+    shape: Shape = Shape(),
 ) -> Rig:
     start_sglang()
     from sglang.srt.managers.cache_controller import HiCacheController
@@ -91,46 +104,64 @@ def make_rig(
         from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 
         device = MHATokenToKVPool(
-            256, PAGE, dtype, 2, 8, LAYERS, "cpu", False, start_layer=0, end_layer=LAYERS
+            shape.tokens,
+            shape.page,
+            dtype,
+            shape.heads,
+            shape.head_dim,
+            shape.layers,
+            "cpu",
+            False,
+            start_layer=0,
+            end_layer=shape.layers,
         )
         host = MHATokenToKVPoolHost(
             device.get_device_pool_infos()[0].buffer_info,
             2.0,
             0,
-            PAGE,
+            shape.page,
             layout,
             pin_memory=False,
             device_capacity_tokens=device.size,
             start_layer=0,
-            end_layer=LAYERS,
+            end_layer=shape.layers,
         )
     elif kind == "mla":
         from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool
         from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
 
         device = MLATokenToKVPool(
-            256, PAGE, dtype, 32, 8, LAYERS, "cpu", False, start_layer=0, end_layer=LAYERS
+            shape.tokens,
+            shape.page,
+            dtype,
+            32,
+            8,
+            shape.layers,
+            "cpu",
+            False,
+            start_layer=0,
+            end_layer=shape.layers,
         )
         host = MLATokenToKVPoolHost(
             device.get_device_pool_infos()[0].buffer_info,
             2.0,
             0,
-            PAGE,
+            shape.page,
             layout,
             pin_memory=False,
             device_capacity_tokens=device.size,
             start_layer=0,
-            end_layer=LAYERS,
+            end_layer=shape.layers,
             override_kv_cache_dim=device.kv_cache_dim,
-            target_layer_num=LAYERS,
+            target_layer_num=shape.layers,
         )
     else:
         raise ValueError(kind)
-    allocator = PagedTokenToKVPoolAllocator(256, PAGE, dtype, "cpu", device, False)
+    allocator = PagedTokenToKVPoolAllocator(shape.tokens, shape.page, dtype, "cpu", device, False)
     controller = HiCacheController(
         allocator,
         host,
-        PAGE,
+        shape.page,
         dist.group.WORLD,
         threading.Event(),
         io_backend="direct",
@@ -139,20 +170,20 @@ def make_rig(
         storage_backend_extra_config=dict(extra) if extra is not None else hicache_config(tier="memory"),
         enable_storage_metrics=metrics,
     )
-    return Rig(controller, host, kind)
+    return Rig(controller, host, kind, shape.page)
 
 
-def page_hashes(tokens: list[int], last_hash: str | None = None) -> list[str]:
+def page_hashes(tokens: list[int], last_hash: str | None = None, page: int = PAGE) -> list[str]:
     """SGLang's storage keys for the pages of `tokens` (its own chained SHA-256)."""
     from sglang.srt.mem_cache.utils import get_storage_hash_str
 
-    return get_storage_hash_str(tokens, last_hash, page_size=PAGE)
+    return get_storage_hash_str(tokens, last_hash, page_size=page)
 
 
 def pages_of(rig: Rig, host_indices: torch.Tensor) -> list[bytes]:
     """Each page's bytes as SGLang's host pool gives them (get_data_page)."""
     out = []
-    for i in range(0, host_indices.numel(), PAGE):
+    for i in range(0, host_indices.numel(), rig.page):
         page = rig.host.get_data_page(int(host_indices[i]), flat=True)
         out.append(page.contiguous().view(torch.uint8).numpy().tobytes())
     return out
@@ -170,11 +201,11 @@ def backup(
     """Pages of `tokens` with random bytes in fresh host slots, backed up by SGLang's backup
     thread; returns their keys and bytes."""
     cc = rig.controller
-    hashes = page_hashes(tokens, prefix_keys[-1] if prefix_keys else None)
+    hashes = page_hashes(tokens, prefix_keys[-1] if prefix_keys else None, rig.page)
     slots = rig.host.alloc(len(tokens))
     assert slots is not None
     g = torch.Generator().manual_seed(seed)
-    for i in range(0, len(tokens), PAGE):
+    for i in range(0, len(tokens), rig.page):
         page = rig.host.get_dummy_flat_data_page()
         raw = page.view(torch.uint8)
         raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=g))

@@ -59,6 +59,37 @@ def test_every_page_sglang_prefetches_is_the_page_it_backed_up(
         rig.close()
 
 
+def test_two_engines_share_pages_through_mooncake_store(tmp_path: Path) -> None:
+    # Two SGLang controllers (two engines), each with its own Mooncake Store client, on one
+    # master on 127.0.0.1: what one backs up, the other prefetches, byte for byte.
+    sys.path.insert(0, str(HERE.parent / "py"))
+    from mooncake_support import running_master
+
+    with running_master(tmp_path) as m:
+        options = hicache_config(
+            tier="mooncake",
+            mooncake_master=m.rpc,
+            mooncake_metadata=m.metadata,
+            mooncake_segment_bytes=64 << 20,
+        )
+        a = make_rig(extra=options)
+        b = make_rig(extra=options)
+        try:
+            keys, written = backup(a, TOKENS, seed=9)
+            assert b.backend.batch_exists(keys) == 10
+            loaded, got = prefetch(b, TOKENS, "from-a")
+            assert loaded == len(TOKENS) and got == written
+            # Another model on the same store sees none of them.
+            c = make_rig(extra=options, model="another-model")
+            try:
+                assert prefetch(c, TOKENS, "other-model") == (0, [])
+            finally:
+                c.close()
+        finally:
+            b.close()
+            a.close()
+
+
 def test_negative_control_the_byte_check_catches_a_backend_that_loads_nothing(tmp_path: Path) -> None:
     # A backend that says every page loaded but writes none: the check above must fail for it.
     rig = make_rig(

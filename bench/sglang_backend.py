@@ -1,0 +1,133 @@
+"""hicache.sglang beside SGLang's own file backend, both driven by SGLang's HiCacheController.
+
+    build/sglang-venv/bin/python bench/sglang_backend.py --dir /path/on/the/disk [--pages 128]
+        [--page-tokens 64] [--reps 3]
+
+In one run, on one directory, a Llama-3-8B-shaped page (32 layers, 8 KV heads of 128, fp16; 64
+tokens a page: 8 MiB) in SGLang's layer-first host pool:
+- raw: a sequential write, then read, of the same bytes (bench/disk_tier.py's loop);
+- for hicache.sglang (tier "disk") and for SGLang's built-in "file" backend: SGLang's backup
+  thread writes --pages pages (write_storage until its ack), then, with the directory's files out
+  of the page cache (sync + POSIX_FADV_DONTNEED, for both backends), SGLang's prefetch threads
+  ask which pages exist and read them into fresh host slots (prefetch until the last ack); every
+  page read is compared with the page written.
+Best of --reps; ratios are the raw loop's time over the backend's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent / "tests" / "sglang"))
+from disk_tier import raw_loop  # noqa: E402
+from sglang_rig import Shape, hicache_config, make_rig, page_hashes  # noqa: E402
+
+
+def evict_page_cache(where: Path) -> None:
+    os.sync()
+    for root, _, files in os.walk(where):
+        for name in files:
+            fd = os.open(os.path.join(root, name), os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def one_round(backend: str, where: Path, shape: Shape, pages: int) -> tuple[float, float, int]:
+    shutil.rmtree(where, ignore_errors=True)
+    where.mkdir(parents=True)
+    if backend == "hicache":
+        rig = make_rig(
+            extra=hicache_config(tier="disk", path=str(where), capacity_bytes=4 * pages * (8 << 20)),
+            shape=shape,
+        )
+    else:
+        rig = make_rig(backend="file", extra={"file_storage_path": str(where)}, shape=shape)
+    try:
+        cc, host = rig.controller, rig.host
+        n = pages * shape.page
+        tokens = list(range(n))
+        hashes = page_hashes(tokens, None, shape.page)
+        src = host.alloc(n)
+        buf = host.kv_buffer.view(torch.int64)
+        buf.copy_(torch.randint(-(2**62), 2**62, buf.shape, generator=torch.Generator().manual_seed(1)))
+        t0 = time.perf_counter()
+        cc.write_storage(src, tokens, hash_value=hashes, prefix_keys=[])
+        done = cc.ack_backup_queue.get(timeout=600)
+        write_s = time.perf_counter() - t0
+        assert done.completed_tokens == n, f"{backend}: backed up {done.completed_tokens} of {n}"
+        evict_page_cache(where)
+        t0 = time.perf_counter()
+        cc.prefetch("bench", tokens, None, prefix_keys=[])
+        op = cc.prefetch_hit_queue.get(timeout=600)
+        dst = host.alloc(op.storage_hit_count)
+        op.host_indices = dst
+        cc.prefetch_buffer.put(op)
+        loaded = 0
+        while True:
+            ack = cc.ack_prefetch_queue.get(timeout=600)
+            if ack.completed_tokens is not None:
+                loaded = max(loaded, ack.completed_tokens)
+            if ack.completed_req:
+                break
+        read_s = time.perf_counter() - t0
+        assert loaded == n, f"{backend}: prefetched {loaded} of {n} tokens"
+
+        def page(i: int) -> torch.Tensor:  # as bytes: random bits hold NaNs, never equal as fp16
+            return host.get_data_page(i, flat=True).contiguous().view(torch.uint8)
+
+        same = sum(torch.equal(page(int(src[i])), page(int(dst[i]))) for i in range(0, n, shape.page))
+        return write_s, read_s, same
+    finally:
+        rig.close()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--dir", required=True, help="a directory on the disk to measure (made and removed)")
+    ap.add_argument("--pages", type=int, default=128)
+    ap.add_argument("--page-tokens", type=int, default=64)
+    ap.add_argument("--reps", type=int, default=3)
+    a = ap.parse_args()
+    shape = Shape(page=a.page_tokens, layers=32, heads=8, head_dim=128, tokens=a.pages * a.page_tokens)
+    page_bytes = 2 * shape.layers * shape.heads * shape.head_dim * 2 * shape.page
+    total = a.pages * page_bytes
+    base = Path(a.dir)
+    base.mkdir(parents=True, exist_ok=True)
+    try:
+        raw_w, raw_r = min(raw_loop(base / "raw", total)[:2] for _ in range(a.reps))
+        results = {}
+        for backend in ("hicache", "file"):
+            rounds = [one_round(backend, base / backend, shape, a.pages) for _ in range(a.reps)]
+            assert all(r[2] == a.pages for r in rounds), f"{backend}: pages differ after the round trip"
+            results[backend] = (min(r[0] for r in rounds), min(r[1] for r in rounds))
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+    gb = total / 1e9
+    print(
+        f"{a.pages} pages of {page_bytes >> 20} MiB ({total >> 20} MiB), {a.page_tokens}-token pages, "
+        f"layer-first host pool, best of {a.reps}; every page read back equal to the page written\n"
+    )
+    print("| what | backup s | GB/s | raw / it | prefetch s | GB/s | raw / it |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    print(f"| raw sequential loop | {raw_w:.3f} | {gb / raw_w:.2f} | | {raw_r:.3f} | {gb / raw_r:.2f} | |")
+    names = {"hicache": "hicache.sglang (disk tier)", "file": "SGLang's file backend"}
+    for backend, (w, r) in results.items():
+        print(
+            f"| {names[backend]} | {w:.3f} | {gb / w:.2f} | {raw_w / w:.3f} | {r:.3f} | {gb / r:.2f} "
+            f"| {raw_r / r:.3f} |"
+        )
+
+
+if __name__ == "__main__":
+    main()
