@@ -1,6 +1,6 @@
 """hicache: a host-memory KV prefix cache for LLM inference engines."""
 
-from ._core import CacheError, CacheStats, MemoryTier, Tier, UnknownRequestError, cuda_available
+from ._core import CacheError, CacheStats, MemoryTier, PageStore, Tier, UnknownRequestError, cuda_available
 from .cache import HostPrefixCache, LayerwiseLoad
 from .disk_tier import DiskTier
 from .hash_chain import chain_keys
@@ -14,6 +14,7 @@ __all__ = [
     "HostPrefixCache",
     "LayerwiseLoad",
     "MemoryTier",
+    "PageStore",
     "Tier",
     "UnknownRequestError",
     "__version__",

@@ -192,6 +192,11 @@ class HicacheStorage(HiCacheStorage):
         return "/".join(what)
 
     def _store_for(self, pool: Any, name: str) -> PageStore:
+        if not callable(getattr(pool, "get_page_buffer_meta", None)):
+            raise NotImplementedError(
+                f"hicache.sglang: SGLang's {type(pool).__name__} does not say where a page lies "
+                "(no get_page_buffer_meta); the backend stores MHA and MLA host pools"
+            )
         page = getattr(pool, "page_size", 1) or 1
         _, sizes = page_pieces(pool, torch.arange(page, dtype=torch.int64))
         return PageStore(self.tier, self._space(pool, name, False), sizes, self._timeout_s)

@@ -312,6 +312,9 @@ def test_what_it_cannot_store_exactly_is_refused_at_start_up(tmp_path: Path) -> 
     )
     with pytest.raises(NotImplementedError, match="use tier 'mooncake'"):
         HicacheStorage(mla_tp2, {})
+    mla_tp2.tp_size, mla_tp2.extra_config = 1, {"tier": "memory"}
+    with pytest.raises(NotImplementedError, match="no get_page_buffer_meta"):
+        HicacheStorage(mla_tp2, {}).register_mem_pool_host(object())
     rig = make_rig()
     try:
         with pytest.raises(NotImplementedError, match="mamba"):
