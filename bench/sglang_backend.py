@@ -31,7 +31,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "tests" / "sglang"))
 from disk_tier import raw_loop  # noqa: E402
-from sglang_rig import Shape, hicache_config, make_rig, page_hashes  # noqa: E402
+from sglang_rig import Shape, fetch, hicache_config, make_rig, write_storage  # noqa: E402
 
 
 def evict_page_cache(where: Path) -> None:
@@ -45,45 +45,35 @@ def evict_page_cache(where: Path) -> None:
                 os.close(fd)
 
 
+def page_bytes(shape: Shape) -> int:
+    return 2 * shape.layers * shape.heads * shape.head_dim * 2 * shape.page  # K and V, fp16
+
+
 def one_round(backend: str, where: Path, shape: Shape, pages: int) -> tuple[float, float, int]:
     shutil.rmtree(where, ignore_errors=True)
     where.mkdir(parents=True)
     if backend == "hicache":
         rig = make_rig(
-            extra=hicache_config(tier="disk", path=str(where), capacity_bytes=4 * pages * (8 << 20)),
+            extra=hicache_config(tier="disk", path=str(where), capacity_bytes=4 * pages * page_bytes(shape)),
             shape=shape,
         )
     else:
         rig = make_rig(backend="file", extra={"file_storage_path": str(where)}, shape=shape)
     try:
-        cc, host = rig.controller, rig.host
+        host = rig.host
         n = pages * shape.page
         tokens = list(range(n))
-        hashes = page_hashes(tokens, None, shape.page)
         src = host.alloc(n)
         buf = host.kv_buffer.view(torch.int64)
         buf.copy_(torch.randint(-(2**62), 2**62, buf.shape, generator=torch.Generator().manual_seed(1)))
         t0 = time.perf_counter()
-        cc.write_storage(src, tokens, hash_value=hashes, prefix_keys=[])
-        done = cc.ack_backup_queue.get(timeout=600)
+        write_storage(rig, src, tokens)
         write_s = time.perf_counter() - t0
-        assert done.completed_tokens == n, f"{backend}: backed up {done.completed_tokens} of {n}"
         evict_page_cache(where)
         t0 = time.perf_counter()
-        cc.prefetch("bench", tokens, None, prefix_keys=[])
-        op = cc.prefetch_hit_queue.get(timeout=600)
-        dst = host.alloc(op.storage_hit_count)
-        op.host_indices = dst
-        cc.prefetch_buffer.put(op)
-        loaded = 0
-        while True:
-            ack = cc.ack_prefetch_queue.get(timeout=600)
-            if ack.completed_tokens is not None:
-                loaded = max(loaded, ack.completed_tokens)
-            if ack.completed_req:
-                break
+        loaded, dst = fetch(rig, tokens, "bench", scrub=False)
         read_s = time.perf_counter() - t0
-        assert loaded == n, f"{backend}: prefetched {loaded} of {n} tokens"
+        assert loaded == n and dst is not None, f"{backend}: prefetched {loaded} of {n} tokens"
 
         def page(i: int) -> torch.Tensor:  # as bytes: random bits hold NaNs, never equal as fp16
             return host.get_data_page(i, flat=True).contiguous().view(torch.uint8)
@@ -114,8 +104,7 @@ def main() -> None:
     if a.round:  # one round in a process of its own (SGLang's pools stay until the process ends)
         print(json.dumps(one_round(a.round, Path(a.dir), shape, a.pages)))
         return
-    page_bytes = 2 * shape.layers * shape.heads * shape.head_dim * 2 * shape.page
-    total = a.pages * page_bytes
+    total = a.pages * page_bytes(shape)
     base = Path(a.dir)
     base.mkdir(parents=True, exist_ok=True)
     try:
@@ -129,7 +118,7 @@ def main() -> None:
         shutil.rmtree(base, ignore_errors=True)
     gb = total / 1e9
     print(
-        f"{a.pages} pages of {page_bytes >> 20} MiB ({total >> 20} MiB), {a.page_tokens}-token pages, "
+        f"{a.pages} pages of {page_bytes(shape) >> 20} MiB ({total >> 20} MiB), {a.page_tokens}-token pages, "
         f"layer-first host pool, best of {a.reps}; every page read back equal to the page written\n"
     )
     print("| what | backup s | GB/s | raw / it | prefetch s | GB/s | raw / it |")

@@ -195,13 +195,57 @@ def fill_random(rig: Rig, seed: int) -> None:
     buf.copy_(torch.randint(0, 256, buf.shape, dtype=torch.uint8, generator=g))
 
 
+def write_storage(
+    rig: Rig, slots: torch.Tensor, tokens: list[int], prefix_keys: list[str] | None = None
+) -> list[str]:
+    """SGLang's backup thread writes the pages of `tokens` in host `slots` through the backend
+    (write_storage until its ack); returns their keys."""
+    hashes = page_hashes(tokens, prefix_keys[-1] if prefix_keys else None, rig.page)
+    rig.controller.write_storage(slots, tokens, hash_value=hashes, prefix_keys=list(prefix_keys or []))
+    op = rig.controller.ack_backup_queue.get(timeout=600)
+    assert op.completed_tokens == len(tokens), f"backed up {op.completed_tokens} of {len(tokens)} tokens"
+    return hashes
+
+
+def fetch(
+    rig: Rig,
+    tokens: list[int],
+    rid: str,
+    last_hash: str | None = None,
+    prefix_keys: list[str] | None = None,
+    *,
+    scrub: bool = True,
+) -> tuple[int, torch.Tensor | None]:
+    """SGLang's prefetch of `tokens`: its prefetch thread asks the backend which pages exist,
+    the rig allocates host slots for the hit as the scheduler does, SGLang's I/O thread reads
+    them. Returns the tokens SGLang counts as loaded and the slots (None on a miss)."""
+    cc = rig.controller
+    cc.prefetch(rid, tokens, last_hash, prefix_keys=prefix_keys)
+    op = cc.prefetch_hit_queue.get(timeout=600)
+    if op.storage_hit_count == 0:
+        return 0, None
+    slots = rig.host.alloc(op.storage_hit_count)
+    assert slots is not None
+    if scrub:
+        # Fresh bytes everywhere first: slots handed out again still hold what was backed up
+        # from them, which would pass for a load that never happened.
+        fill_random(rig, seed=zlib.crc32(rid.encode()))
+    op.host_indices = slots
+    cc.prefetch_buffer.put(op)
+    completed = 0
+    while True:
+        ack = cc.ack_prefetch_queue.get(timeout=600)
+        if ack.completed_tokens is not None:
+            completed = max(completed, ack.completed_tokens)
+        if ack.completed_req:
+            return completed, slots
+
+
 def backup(
     rig: Rig, tokens: list[int], seed: int, prefix_keys: list[str] | None = None
 ) -> tuple[list[str], list[bytes]]:
     """Pages of `tokens` with random bytes in fresh host slots, backed up by SGLang's backup
     thread; returns their keys and bytes."""
-    cc = rig.controller
-    hashes = page_hashes(tokens, prefix_keys[-1] if prefix_keys else None, rig.page)
     slots = rig.host.alloc(len(tokens))
     assert slots is not None
     g = torch.Generator().manual_seed(seed)
@@ -211,9 +255,7 @@ def backup(
         raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=g))
         rig.host.set_from_flat_data_page(int(slots[i]), page)
     written = pages_of(rig, slots)
-    cc.write_storage(slots, tokens, hash_value=hashes, prefix_keys=list(prefix_keys or []))
-    op = cc.ack_backup_queue.get(timeout=30)
-    assert op.completed_tokens == len(tokens), f"backed up {op.completed_tokens} of {len(tokens)} tokens"
+    hashes = write_storage(rig, slots, tokens, prefix_keys)
     rig.host.free(slots)
     return hashes, written
 
@@ -221,28 +263,10 @@ def backup(
 def prefetch(
     rig: Rig, tokens: list[int], rid: str, last_hash: str | None = None, prefix_keys: list[str] | None = None
 ) -> tuple[int, list[bytes]]:
-    """SGLang's prefetch of `tokens`: its prefetch thread asks the backend which pages exist,
-    the rig allocates host slots for the hit as the scheduler does, SGLang's I/O thread reads
-    them; returns the tokens SGLang counts as loaded and the bytes of those pages."""
-    cc = rig.controller
-    cc.prefetch(rid, tokens, last_hash, prefix_keys=prefix_keys)
-    op = cc.prefetch_hit_queue.get(timeout=30)
-    if op.storage_hit_count == 0:
+    """fetch(), then the bytes of the pages SGLang counts as loaded."""
+    completed, slots = fetch(rig, tokens, rid, last_hash, prefix_keys)
+    if slots is None:
         return 0, []
-    slots = rig.host.alloc(op.storage_hit_count)
-    assert slots is not None
-    # Fresh bytes everywhere first: slots handed out again still hold what was backed up from
-    # them, which would pass for a load that never happened.
-    fill_random(rig, seed=zlib.crc32(rid.encode()))
-    op.host_indices = slots
-    cc.prefetch_buffer.put(op)
-    completed = 0
-    while True:
-        ack = cc.ack_prefetch_queue.get(timeout=30)
-        if ack.completed_tokens is not None:
-            completed = max(completed, ack.completed_tokens)
-        if ack.completed_req:
-            break
     got = pages_of(rig, slots[:completed])
     rig.host.free(slots)
     return completed, got
