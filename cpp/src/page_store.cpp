@@ -21,6 +21,9 @@ namespace {
 // the next one gathered (or the last one checked) while the tier moves this one.
 constexpr std::size_t kChunkBytes = std::size_t{32} << 20;
 
+// Keys whose values failed their check that exists() reports missing, at most.
+constexpr std::size_t kRejectedKept = 65536;
+
 // Records of these values carry no tokens: the engine's key stands for them (SGLang's is a
 // SHA-256 chain over the page's tokens and its parent's key).
 constexpr std::span<const std::int32_t> kNoTokens{};
@@ -222,6 +225,11 @@ std::vector<std::uint8_t> PageStore::put(std::span<const std::string> keys,
   settle(flight[(last + 1) % 2]);  // the chunk before the last (if any), then the last
   settle(flight[last % 2]);
   std::lock_guard<std::mutex> s(stats_mu_);
+  if (!rejected_.empty()) {
+    for (std::size_t i = 0; i < n; ++i) {
+      if (ok[i]) rejected_.erase(keys[i]);
+    }
+  }
   stats_.pages_put += done;
   stats_.pages_put_failed += failed;
   stats_.tier_errors += errors;
@@ -290,6 +298,7 @@ std::vector<std::uint8_t> PageStore::get(std::span<const std::string> keys,
           ++rejected;
           last_why = keys[k] + ": " +
                      (page.bytes.empty() ? why : "page bytes do not match their checksum");
+          remember_rejected(keys[k]);
         }
       }
       parent = key;
@@ -323,7 +332,16 @@ std::vector<std::uint8_t> PageStore::exists(std::span<const std::string> keys) {
   }
   std::lock_guard<std::mutex> s(stats_mu_);
   stats_.tier_errors += errors;
+  for (std::size_t i = 0; i < keys.size(); ++i) {
+    if (out[i] && rejected_.contains(keys[i])) out[i] = 0;  // written again, it can serve
+  }
   return out;
+}
+
+void PageStore::remember_rejected(const std::string& key) {
+  std::lock_guard<std::mutex> s(stats_mu_);
+  if (rejected_.size() >= kRejectedKept) rejected_.clear();  // forgotten: a miss until evicted
+  rejected_.insert(key);
 }
 
 PageStoreStats PageStore::stats() const {

@@ -125,6 +125,26 @@ TEST(PageStore, WrongValuesAreMissesNeverBytes) {
   EXPECT_FALSE(store.stats().last_error.empty());
 }
 
+TEST(PageStore, ARejectedPageIsReportedMissingUntilWrittenAgain) {
+  // Otherwise an engine that skips pages the tier holds (SGLang's backends do) would never
+  // replace a damaged one: a miss for as long as the value stays.
+  auto tier = std::make_shared<MemoryTier>();
+  PageStore store(tier, options(1024));
+  Pool a(1024), b(1024);
+  a.fill(10);
+  ASSERT_EQ(store.put(kKeys, "", a.pieces({0, 1, 2, 3})), std::vector<std::uint8_t>(4, 1));
+  ASSERT_TRUE(
+      tier->edit(store.value_name("k2"), [](std::vector<std::byte>& v) { v[9] ^= std::byte{4}; }));
+  EXPECT_EQ(store.exists(kKeys), std::vector<std::uint8_t>(4, 1));  // not known to be bad yet
+  EXPECT_EQ(store.get(kKeys, "", b.pieces({0, 1, 2, 3})), (std::vector<std::uint8_t>{1, 1, 0, 1}));
+  EXPECT_EQ(store.exists(kKeys), (std::vector<std::uint8_t>{1, 1, 0, 1}));
+  EXPECT_EQ(tier->size(), 4u);  // the damaged value is still there: only the store knows
+  ASSERT_EQ(store.put(Keys{"k2"}, "k1", a.pieces({2})), std::vector<std::uint8_t>{1});
+  EXPECT_EQ(store.exists(kKeys), std::vector<std::uint8_t>(4, 1));
+  EXPECT_EQ(store.get(kKeys, "", b.pieces({4, 5, 6, 7})), std::vector<std::uint8_t>(4, 1));
+  EXPECT_EQ(b.page(6), a.page(2));
+}
+
 TEST(PageStore, AnUnknownFirstParentChecksEverythingElse) {
   auto tier = std::make_shared<MemoryTier>();
   PageStore store(tier, options(1024));

@@ -138,6 +138,22 @@ def test_a_damaged_or_missing_page_ends_the_hit_there_and_is_never_loaded(edit: 
         rig.close()
 
 
+def test_a_damaged_page_is_replaced_by_the_next_backup_of_it() -> None:
+    # The backend skips pages the tier holds; one that failed its check is backed up again.
+    rig = make_rig()
+    try:
+        keys, written = backup(rig, TOKENS, seed=12)
+        _corrupt_memory_value(rig, keys[5], "flip")
+        assert prefetch(rig, TOKENS, "r1")[0] == 5 * PAGE
+        assert rig.backend.batch_exists(keys) == 5
+        assert backup(rig, TOKENS, seed=12)[1] == written  # SGLang computes the prefix again
+        loaded, got = prefetch(rig, TOKENS, "r2")
+        assert loaded == len(TOKENS) and got == written
+        assert rig.backend.stats()["kv"]["pages_put"] == 10 + 1
+    finally:
+        rig.close()
+
+
 def test_sglangs_own_file_backend_serves_the_same_flipped_byte(tmp_path: Path) -> None:
     # What the check above buys: SGLang's built-in file backend, the same page damaged on disk,
     # loads the wrong bytes and counts the page as a hit.

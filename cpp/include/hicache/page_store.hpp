@@ -28,6 +28,7 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <unordered_set>
 #include <vector>
 
 #include "hicache/key.hpp"
@@ -84,7 +85,10 @@ class PageStore {
   std::vector<std::uint8_t> get(std::span<const std::string> keys,
                                 const std::optional<std::string>& first_parent,
                                 std::span<const std::uintptr_t> pieces);
-  /// Whether the tier holds a value under each key's name (not checked until a get).
+  /// Whether the tier holds a value under each key's name (not checked until a get). A value
+  /// that failed its check in a get is reported missing until a put writes it again, so the
+  /// engine's next backup of that page replaces it instead of skipping it as stored (up to
+  /// 65536 such keys are remembered; beyond that the memory starts afresh).
   std::vector<std::uint8_t> exists(std::span<const std::string> keys);
 
   /// The value's name in the tier for `key`.
@@ -98,6 +102,7 @@ class PageStore {
   void note_error(std::string what);
   std::size_t chunk_pages() const;
   void check_pieces(const char* what, std::size_t keys, std::size_t pieces) const;
+  void remember_rejected(const std::string& key);
 
   std::shared_ptr<Tier> tier_;
   PageStoreOptions options_;
@@ -106,8 +111,9 @@ class PageStore {
   Key space_;
   std::unique_ptr<Staging> put_staging_, get_staging_;  // two chunk buffers each, kept
   std::mutex tier_mu_;                                  // one tier call at a time
-  mutable std::mutex stats_mu_;
+  mutable std::mutex stats_mu_;                         // also guards rejected_
   PageStoreStats stats_;
+  std::unordered_set<std::string> rejected_;
 };
 
 }  // namespace hicache
