@@ -33,7 +33,10 @@ from sglang.srt.mem_cache.hicache_storage import (
     HiCacheStorage,
     HiCacheStorageConfig,
     HiCacheStorageExtraInfo,
+    PoolHitPolicy,
     PoolName,
+    PoolTransfer,
+    PoolTransferResult,
 )
 
 from ._core import MemoryTier, PageStore, Tier
@@ -111,7 +114,8 @@ class HicacheStorage(HiCacheStorage):
     Raises:
         ValueError: an unknown option or a bad value, named. ``NotImplementedError``: MLA on the
         disk tier with several tensor-parallel ranks (one rank writes, the others could not open
-        its directory: use Mooncake), or a pool other than KV (hybrid models' sidecar pools).
+        its directory: use Mooncake), or a host pool that cannot say where a page lies (no
+        ``get_page_buffer_meta``).
     """
 
     def __init__(self, storage_config: HiCacheStorageConfig, kwargs: Any = None) -> None:
@@ -214,11 +218,11 @@ class HicacheStorage(HiCacheStorage):
         )
 
     def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
-        if str(host_pool_name) != PoolName.KV.value:
-            raise NotImplementedError(
-                f"hicache.sglang stores KV pages only, not SGLang's {host_pool_name!s} pool "
-                "(hybrid models' sidecar pools, the v2 interface)"
-            )
+        """A hybrid model's other pools (SWA windows, Mamba states, ...), stored beside the KV
+        pages under the same page keys, each pool in a space of its own."""
+        name = str(host_pool_name)
+        if name != PoolName.KV.value:
+            self._stores[name] = self._store_for(host_pool, name)
         super().register_mem_host_pool_v2(host_pool, host_pool_name)
 
     # --- the zero-copy calls (interface_v1) -----------------------------------------------------
@@ -237,9 +241,12 @@ class HicacheStorage(HiCacheStorage):
             return None
         return extra_info.prefix_keys[-1] if extra_info.prefix_keys else ""
 
-    def _pieces(self, keys: list[str], host_indices: torch.Tensor) -> list[int]:
-        store = self._kv()
-        ptrs, _ = page_pieces(self.mem_pool_host, host_indices)
+    def _pieces(
+        self, keys: list[str], host_indices: torch.Tensor, pool: Any = None, store: PageStore | None = None
+    ) -> list[int]:
+        pool = self.mem_pool_host if pool is None else pool
+        store = self._kv() if store is None else store
+        ptrs, _ = page_pieces(pool, host_indices)
         if len(ptrs) != len(keys) * store.pieces:
             raise ValueError(
                 f"hicache.sglang: {len(ptrs)} pieces for {len(keys)} keys "
@@ -252,24 +259,13 @@ class HicacheStorage(HiCacheStorage):
         found = store.exists(list(keys))
         return found.index(False) if False in found else len(found)
 
-    def batch_set_v1(
-        self,
-        keys: list[str],
-        host_indices: torch.Tensor,
-        extra_info: HiCacheStorageExtraInfo | None = None,
-    ) -> list[bool]:
-        keys = list(keys)
-        if not keys:
-            return []
-        store = self._kv()
-        ptrs = self._pieces(keys, host_indices)
+    @staticmethod
+    def _put_missing(store: PageStore, keys: list[str], parent: str | None, ptrs: list[int]) -> list[bool]:
+        """Writes the pages the tier lacks (a disk would append a page it holds twice), each run of
+        them as one chained batch; per page, whether the tier holds it now."""
         per = store.pieces
-        start = time.perf_counter()
-        # Pages the tier holds already are not written again (a disk would append them twice);
-        # each run of missing pages goes as one chained batch.
         have = store.exists(keys)
         out = list(have)
-        parent = self._parent(extra_info)
         i = 0
         while i < len(keys):
             if have[i]:
@@ -282,6 +278,19 @@ class HicacheStorage(HiCacheStorage):
             out[i:j] = store.put(keys[i:j], parent, ptrs[i * per : j * per])
             parent = keys[j - 1]
             i = j
+        return out
+
+    def batch_set_v1(
+        self,
+        keys: list[str],
+        host_indices: torch.Tensor,
+        extra_info: HiCacheStorageExtraInfo | None = None,
+    ) -> list[bool]:
+        keys = list(keys)
+        if not keys:
+            return []
+        start = time.perf_counter()
+        out = self._put_missing(self._kv(), keys, self._parent(extra_info), self._pieces(keys, host_indices))
         if self._metrics:
             self._note(self._backup_pgs, self._backup_bw, len(keys), start)
         return out
@@ -300,6 +309,89 @@ class HicacheStorage(HiCacheStorage):
         if self._metrics:
             self._note(self._prefetch_pgs, self._prefetch_bw, len(keys), start)
         return out
+
+    # --- the per-pool calls (v2: hybrid models' pools beside the KV pages) ---------------------
+
+    def _pool_io(
+        self, transfers: list[PoolTransfer], extra_info: HiCacheStorageExtraInfo | None, write: bool
+    ) -> dict[str, list[bool]]:
+        results: dict[str, list[bool]] = {}
+        for t in transfers:
+            name, keys = str(t.name), list(t.keys or [])
+            store = self._stores.get(name)
+            pool = getattr(self, "registered_pools", {}).get(
+                t.name, self.mem_pool_host if name == "kv" else None
+            )
+            page = getattr(pool, "page_size", 1) or 1
+            if (
+                store is None
+                or pool is None
+                or t.host_indices is None
+                or t.host_indices.numel() != len(keys) * page
+            ):
+                logger.error(
+                    "hicache.sglang: pool %s: no store, or %s indices for %d keys",
+                    name,
+                    None if t.host_indices is None else t.host_indices.numel(),
+                    len(keys),
+                )
+                results[name] = [False] * len(keys)
+                continue
+            if not keys:
+                results[name] = []
+                continue
+            ptrs = self._pieces(keys, t.host_indices, pool, store)
+            parent = self._parent(extra_info)
+            results[name] = (
+                self._put_missing(store, keys, parent, ptrs) if write else store.get(keys, parent, ptrs)
+            )
+        return results
+
+    def batch_set_v2(
+        self, transfers: list[PoolTransfer], extra_info: HiCacheStorageExtraInfo | None = None
+    ) -> dict[str, list[bool]]:
+        return self._pool_io(transfers, extra_info, write=True)
+
+    def batch_get_v2(
+        self, transfers: list[PoolTransfer], extra_info: HiCacheStorageExtraInfo | None = None
+    ) -> dict[str, list[bool]]:
+        return self._pool_io(transfers, extra_info, write=False)
+
+    def batch_exists_v2(
+        self,
+        keys: list[str],
+        pool_transfers: list[PoolTransfer] | None = None,
+        extra_info: HiCacheStorageExtraInfo | None = None,
+    ) -> PoolTransferResult:
+        """The longest prefix whose KV pages exist and whose other pools hold what their hit
+        policy asks for (every page, or the last len(transfer.keys) pages), as SGLang's own file
+        backend reckons it; pools of block groups (compressed KV) give no hit."""
+        keys = list(keys)
+        kv_pages = self.batch_exists(keys, extra_info)
+        hits: dict[str, int] = {PoolName.KV.value: kv_pages} if kv_pages else {}
+        restorable = set(range(1, kv_pages + 1))
+        for t in pool_transfers or []:
+            if not restorable:
+                break
+            name = str(t.name)
+            store = self._stores.get(name)
+            have = store.exists(keys[:kv_pages]) if store is not None else [False] * kv_pages
+            if t.hit_policy == PoolHitPolicy.ALL_PAGES:
+                boundary = have.index(False) if False in have else kv_pages
+                pool_ok = set(range(1, boundary + 1))
+            elif t.hit_policy == PoolHitPolicy.TRAILING_PAGES:
+                trailing = max(1, len(t.keys) if t.keys else 1)
+                pool_ok = {n for n in range(1, kv_pages + 1) if all(have[max(0, n - trailing) : n])}
+            else:
+                logger.warning(
+                    "hicache.sglang: pool %s's hit policy %s is not supported: no hit", name, t.hit_policy
+                )
+                pool_ok = set()
+            if pool_ok:
+                hits[name] = max(pool_ok)
+            restorable &= pool_ok
+        ordered = sorted(restorable)
+        return PoolTransferResult(ordered[-1] if ordered else 0, hits, ordered)
 
     # --- the generic calls (flat page tensors; SGLang uses them without interface_v1) -----------
 

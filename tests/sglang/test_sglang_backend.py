@@ -90,6 +90,88 @@ def test_two_engines_share_pages_through_mooncake_store(tmp_path: Path) -> None:
             a.close()
 
 
+def _swa_pool(rig: Any) -> Any:
+    """A second host pool, as a hybrid model's sliding-window layers have (SGLang's SWA host pool is
+    an MHA host pool of the SWA layers), registered through the v2 call."""
+    from sglang.srt.mem_cache.hicache_storage import PoolName
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+    from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
+
+    device = MHATokenToKVPool(64, PAGE, torch.float16, 2, 8, 1, "cpu", False, start_layer=0, end_layer=1)
+    swa = MHATokenToKVPoolHost(
+        device.get_device_pool_infos()[0].buffer_info,
+        2.0,
+        0,
+        PAGE,
+        "layer_first",
+        pin_memory=False,
+        device_capacity_tokens=device.size,
+        start_layer=0,
+        end_layer=1,
+    )
+    rig.backend.register_mem_host_pool_v2(swa, PoolName.SWA)
+    return swa
+
+
+def test_a_hybrid_models_window_pages_travel_beside_the_kv_pages_through_the_v2_calls() -> None:
+    # The calls SGLang's HybridCacheController makes for a sliding-window pool (TRAILING_PAGES:
+    # only the last pages' windows are kept), each group's prefix keys from SGLang's own
+    # _trailing_chain_groups.
+    from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTransfer
+    from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import _trailing_chain_groups
+
+    rig = make_rig()
+    try:
+        swa = _swa_pool(rig)
+        keys, _ = backup(rig, TOKENS, seed=13)
+        src = swa.alloc(2 * PAGE)
+        raw = swa.kv_buffer.view(torch.uint8)
+        raw.copy_(
+            torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=torch.Generator().manual_seed(13))
+        )
+        want = [swa.get_data_page(int(src[i]), flat=True).view(torch.uint8).clone() for i in (0, PAGE)]
+
+        def transfer(indices: torch.Tensor | None) -> PoolTransfer:
+            return PoolTransfer(
+                name=PoolName.SWA,
+                host_indices=indices,
+                keys=keys[-2:],
+                hit_policy=PoolHitPolicy.TRAILING_PAGES,
+            )
+
+        def call(fn: Any, indices: torch.Tensor | None) -> dict[str, list[bool]]:
+            out: dict[str, list[bool]] = {}
+            for info, group in _trailing_chain_groups([], keys, [transfer(indices)]):
+                out.update(fn(group, extra_info=info))
+            return out
+
+        assert call(rig.backend.batch_set_v2, src) == {"swa": [True, True]}
+        hit = rig.backend.batch_exists_v2(keys, [transfer(None)])
+        assert hit.kv_hit_pages == 10 and hit.restorable_prefix_pages == [10]
+        # A prompt that parts after 9 pages has no window to resume from.
+        other = TOKENS[:36] + [5] * 4
+        short = rig.backend.batch_exists_v2(page_hashes(other), [transfer(None)])
+        assert short.extra_pool_hit_pages["kv"] == 9 and short.restorable_prefix_pages == []
+        assert short.kv_hit_pages == 0  # the usable prefix
+        dst = swa.alloc(2 * PAGE)
+        raw.copy_(
+            torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=torch.Generator().manual_seed(14))
+        )
+        assert call(rig.backend.batch_get_v2, dst) == {"swa": [True, True]}
+        got = [swa.get_data_page(int(dst[i]), flat=True).view(torch.uint8) for i in (0, PAGE)]
+        assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+        # A damaged window page: not loaded, and from then on no prefix resumes from it.
+        tier, store = rig.backend.tier, rig.backend._stores["swa"]
+        name = store.value_name(keys[-1])
+        value = bytearray(tier.value(name))
+        value[3] ^= 1
+        tier.set_value(name, bytes(value))
+        assert call(rig.backend.batch_get_v2, dst) == {"swa": [True, False]}
+        assert rig.backend.batch_exists_v2(keys, [transfer(None)]).restorable_prefix_pages == []
+    finally:
+        rig.close()
+
+
 def test_negative_control_the_byte_check_catches_a_backend_that_loads_nothing(tmp_path: Path) -> None:
     # A backend that says every page loaded but writes none: the check above must fail for it.
     rig = make_rig(
@@ -333,8 +415,8 @@ def test_what_it_cannot_store_exactly_is_refused_at_start_up(tmp_path: Path) -> 
         HicacheStorage(mla_tp2, {}).register_mem_pool_host(object())
     rig = make_rig()
     try:
-        with pytest.raises(NotImplementedError, match="mamba"):
-            rig.backend.register_mem_host_pool_v2(rig.host, "mamba")
+        with pytest.raises(NotImplementedError, match="no get_page_buffer_meta"):
+            rig.backend.register_mem_host_pool_v2(object(), "mamba")
     finally:
         rig.close()
 
