@@ -84,7 +84,8 @@ void write_tier_record(std::byte* out, const Key& space, const Key& key, const K
   put(p, std::uint32_t{0});
   put(p, static_cast<std::uint64_t>(page_bytes));
   put(p, checksum);
-  std::memcpy(p, tokens.data(), tokens.size_bytes());
+  // A record of no tokens (PageStore's: the engine's key stands for them) has no data pointer.
+  if (!tokens.empty()) std::memcpy(p, tokens.data(), tokens.size_bytes());
   p += tokens.size_bytes();
   std::memset(p, 0, record_bytes(tokens.size()) - static_cast<std::size_t>(p - out));
 }
@@ -136,7 +137,7 @@ TierPage check_tier_record(std::span<const std::byte> value, const Key& space, c
     why = "another page size";
     return {};
   }
-  if (std::memcmp(p, tokens.data(), tokens.size_bytes()) != 0) {
+  if (!tokens.empty() && std::memcmp(p, tokens.data(), tokens.size_bytes()) != 0) {
     why = "other tokens (a key collision)";
     return {};
   }
