@@ -84,6 +84,37 @@ class Rig:
             close()
 
 
+def mha_pools(shape: Shape, layout: str, dtype: torch.dtype = torch.float16) -> tuple[Any, Any]:
+    """SGLang's MHA device pool (on the CPU) and its host pool (unpinned)."""
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+    from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
+
+    device = MHATokenToKVPool(
+        shape.tokens,
+        shape.page,
+        dtype,
+        shape.heads,
+        shape.head_dim,
+        shape.layers,
+        "cpu",
+        False,
+        start_layer=0,
+        end_layer=shape.layers,
+    )
+    host = MHATokenToKVPoolHost(
+        device.get_device_pool_infos()[0].buffer_info,
+        2.0,
+        0,
+        shape.page,
+        layout,
+        pin_memory=False,
+        device_capacity_tokens=device.size,
+        start_layer=0,
+        end_layer=shape.layers,
+    )
+    return device, host
+
+
 def make_rig(
     kind: str = "mha",
     layout: str = "layer_first",
@@ -100,32 +131,7 @@ def make_rig(
     from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
 
     if kind == "mha":
-        from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
-        from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
-
-        device = MHATokenToKVPool(
-            shape.tokens,
-            shape.page,
-            dtype,
-            shape.heads,
-            shape.head_dim,
-            shape.layers,
-            "cpu",
-            False,
-            start_layer=0,
-            end_layer=shape.layers,
-        )
-        host = MHATokenToKVPoolHost(
-            device.get_device_pool_infos()[0].buffer_info,
-            2.0,
-            0,
-            shape.page,
-            layout,
-            pin_memory=False,
-            device_capacity_tokens=device.size,
-            start_layer=0,
-            end_layer=shape.layers,
-        )
+        device, host = mha_pools(shape, layout, dtype)
     elif kind == "mla":
         from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool
         from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost

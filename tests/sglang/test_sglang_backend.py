@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 import torch
-from sglang_rig import PAGE, backup, hicache_config, make_rig, page_hashes, prefetch
+from sglang_rig import PAGE, Shape, backup, hicache_config, make_rig, mha_pools, page_hashes, prefetch
 
 TOKENS = list(range(1000, 1040))  # 10 pages of 4 tokens
 HERE = Path(__file__).parent
@@ -94,21 +94,8 @@ def _swa_pool(rig: Any) -> Any:
     """A second host pool, as a hybrid model's sliding-window layers have (SGLang's SWA host pool is
     an MHA host pool of the SWA layers), registered through the v2 call."""
     from sglang.srt.mem_cache.hicache_storage import PoolName
-    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
-    from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 
-    device = MHATokenToKVPool(64, PAGE, torch.float16, 2, 8, 1, "cpu", False, start_layer=0, end_layer=1)
-    swa = MHATokenToKVPoolHost(
-        device.get_device_pool_infos()[0].buffer_info,
-        2.0,
-        0,
-        PAGE,
-        "layer_first",
-        pin_memory=False,
-        device_capacity_tokens=device.size,
-        start_layer=0,
-        end_layer=1,
-    )
+    _, swa = mha_pools(Shape(layers=1, tokens=64), "layer_first")
     rig.backend.register_mem_host_pool_v2(swa, PoolName.SWA)
     return swa
 
