@@ -103,7 +103,8 @@ class HicacheStorage(HiCacheStorage):
     Loaded by SGLang's storage factory (``--hicache-storage-backend dynamic``) as
     ``HicacheStorage(storage_config, kwargs)``. Options, in the extra config:
 
-    - ``tier``: ``"disk"`` (default), ``"mooncake"`` or ``"memory"`` (this process only).
+    - ``tier``: ``"disk"`` (default), ``"mooncake"`` or ``"memory"`` (tests: this process only,
+      unbounded, never evicts).
     - ``path`` and ``capacity_bytes`` (disk): the directory (each rank writes a subdirectory of
       its own: a directory has one writer) and the bytes its segment files may hold.
     - ``mooncake_master``, ``mooncake_metadata``, ``mooncake_hostname``,
@@ -155,6 +156,10 @@ class HicacheStorage(HiCacheStorage):
 
     def _open_tier(self, extra: dict[str, Any], config: HiCacheStorageConfig) -> Tier:
         if self._tier_kind == "memory":
+            logger.warning(
+                "hicache.sglang: tier 'memory' keeps every page in this process, unbounded and never "
+                "evicted (meant for tests); use 'disk' or 'mooncake' to serve"
+            )
             return MemoryTier()
         if self._tier_kind == "mooncake":
             from .mooncake import MooncakeTier

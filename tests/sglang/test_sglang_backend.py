@@ -413,3 +413,10 @@ def test_keys_are_sglangs_own_page_hashes() -> None:
     # last key before it, which is what the parent check compares.
     keys = page_hashes(TOKENS)
     assert page_hashes(TOKENS[16:], keys[3]) == keys[4:]
+
+
+def test_the_memory_tier_says_it_is_unbounded(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level("WARNING", logger="hicache.sglang"):
+        rig = make_rig()
+    rig.close()
+    assert any("unbounded and never evicted" in r.getMessage() for r in caplog.records)
