@@ -1,7 +1,7 @@
 """The disk tier's speed through the public API, beside a raw loop over the same directory.
 
     python bench/disk_tier.py --dir /path/on/the/disk [--page-mib 1] [--total-mib 1024] [--reps 3]
-        [--index-pages 1000000]
+        [--index-pages 1000000] [--read-threads 8]
 
 In one run, on one directory:
 - raw: a sequential write, then read, of the same bytes in 64 MiB calls (O_DIRECT where the
@@ -61,11 +61,11 @@ def raw_loop(path: Path, total: int) -> tuple[float, float, bool]:
     return w, r, direct
 
 
-def api_round(where: Path, page: int, pages: int, tokens: int) -> dict[str, float]:
+def api_round(where: Path, page: int, pages: int, tokens: int, read_threads: int) -> dict[str, float]:
     shutil.rmtree(where, ignore_errors=True)
     kv = np.random.default_rng(1).integers(0, 256, (pages, page), dtype=np.uint8)
     prompt = np.arange(pages * tokens + 1, dtype=np.int32)
-    tier = hicache.DiskTier(where, 4 * pages * page + (256 << 20))
+    tier = hicache.DiskTier(where, 4 * pages * page + (256 << 20), read_threads=read_threads)
     a = hicache.HostPrefixCache(kv, block_tokens=tokens, capacity_pages=pages, tier=tier)
     t0 = time.perf_counter()
     assert a.store("w", prompt, list(range(pages))) == pages
@@ -97,7 +97,10 @@ def api_round(where: Path, page: int, pages: int, tokens: int) -> dict[str, floa
     got = c.try_resume("r", prompt, lambda n: list(range(n // tokens)))
     t7 = time.perf_counter()
     assert got == pages * tokens and np.array_equal(engine, kv), (got, c.stats().tier_last_error)
+    s = tier.stats()
     return {
+        "straight": (s["values_written_direct"] + s["values_read_direct"])
+        / max(1, s["values_written"] + s["values_read"]),
         "store_to_flush": t2 - t0,
         "flush": t2 - t1,
         "prefetch": t4 - t3,
@@ -170,6 +173,7 @@ def main() -> None:
     ap.add_argument("--total-mib", type=int, default=1024, help="bytes written and read, in MiB")
     ap.add_argument("--tokens", type=int, default=128, help="tokens a page")
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--read-threads", type=int, default=8, help="DiskTier's read_threads")
     ap.add_argument(
         "--index-pages", type=int, default=1_000_000, help="values for the index rebuild (0: skip)"
     )
@@ -182,19 +186,23 @@ def main() -> None:
     total = pages * page
     best: dict[str, float] = {}
     direct = True
+    straight = 0.0
     for _ in range(args.reps):
         w, r, direct = raw_loop(base / "raw.bin", (total + CHUNK - 1) // CHUNK * CHUNK)
         best["raw_write"] = min(
             best.get("raw_write", 1e9), w * total / ((total + CHUNK - 1) // CHUNK * CHUNK)
         )
         best["raw_read"] = min(best.get("raw_read", 1e9), r * total / ((total + CHUNK - 1) // CHUNK * CHUNK))
-        api = api_round(base / "tier", page, pages, args.tokens)
+        api = api_round(base / "tier", page, pages, args.tokens, args.read_threads)
         for k in ("store_to_flush", "flush", "prefetch", "load", "read"):
             best[k] = min(best.get(k, 1e9), api[k])
+        straight = api["straight"]
     gb = total / 1e9
     print(
         f"directory {base} ({'direct I/O' if direct else 'buffered'}), {pages} pages of {page >> 10} KiB "
-        f"({total >> 20} MiB), best of {args.reps}\n"
+        f"({total >> 20} MiB), {args.read_threads} read threads, best of {args.reps}; "
+        f"{straight:.0%} of the values written and read moved straight between a host slot and "
+        "the disk\n"
     )
     print("| what | seconds | GB/s | raw loop / API |\n| --- | --- | --- | --- |")
     print(f"| raw sequential write | {best['raw_write']:.3f} | {gb / best['raw_write']:.2f} | |")

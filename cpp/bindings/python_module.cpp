@@ -842,6 +842,8 @@ NB_MODULE(_core, m) {
         d["segments"] = s.segments;
         d["values_written"] = s.values_written;
         d["values_rewritten"] = s.values_rewritten;
+        d["values_written_direct"] = s.values_written_direct;
+        d["values_read_direct"] = s.values_read_direct;
         d["values_read"] = s.values_read;
         d["segments_evicted"] = s.segments_evicted;
         d["write_failures"] = s.write_failures;

@@ -2,9 +2,12 @@
 
 #include <fcntl.h>
 #include <sys/stat.h>
+#include <sys/uio.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
+#include <climits>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -19,7 +22,7 @@ namespace {
 
 constexpr std::uint32_t kEntryMagic = 0x45444348;  // "HCDE"
 constexpr std::uint32_t kIndexMagic = 0x49444348;  // "HCDI"
-constexpr std::uint32_t kVersion = 1;
+constexpr std::uint32_t kVersion = 2;  // 2: the value's head last, aligned (disk_segment.hpp)
 constexpr std::size_t kIndexHeaderBytes = 32;
 constexpr std::size_t kIndexEntryBytes = 32;
 
@@ -51,6 +54,18 @@ bool write_all(int fd, const std::byte* p, std::size_t n) {
     n -= static_cast<std::size_t>(w);
   }
   return true;
+}
+
+// Drops the first `n` bytes of `iov` (what one preadv/pwritev moved), from `first` on.
+void advance(std::vector<iovec>& iov, std::size_t& first, std::size_t n) {
+  while (n > 0 && first < iov.size()) {
+    const std::size_t k = std::min(n, iov[first].iov_len);
+    iov[first].iov_base = static_cast<char*>(iov[first].iov_base) + k;
+    iov[first].iov_len -= k;
+    n -= k;
+    if (iov[first].iov_len == 0) ++first;
+  }
+  while (first < iov.size() && iov[first].iov_len == 0) ++first;
 }
 
 }  // namespace
@@ -150,6 +165,36 @@ int SegmentFile::write_at(const std::byte* bytes, std::size_t n, std::uint64_t o
     if (w < 0) return -errno;
     if (w == 0) return -EIO;
     done += static_cast<std::size_t>(w);
+  }
+  return 0;
+}
+
+int SegmentFile::write_at(std::vector<iovec>& iov, std::uint64_t offset) const {
+  std::size_t first = 0;
+  advance(iov, first, 0);
+  while (first < iov.size()) {
+    const int count = static_cast<int>(std::min<std::size_t>(iov.size() - first, IOV_MAX));
+    const ssize_t w = ::pwritev(fd_, iov.data() + first, count, static_cast<off_t>(offset));
+    if (w < 0 && errno == EINTR) continue;
+    if (w < 0) return -errno;
+    if (w == 0) return -EIO;
+    offset += static_cast<std::uint64_t>(w);
+    advance(iov, first, static_cast<std::size_t>(w));
+  }
+  return 0;
+}
+
+int SegmentFile::read(std::uint64_t offset, std::vector<iovec>& iov) const {
+  std::size_t first = 0;
+  advance(iov, first, 0);
+  while (first < iov.size()) {
+    const int count = static_cast<int>(std::min<std::size_t>(iov.size() - first, IOV_MAX));
+    const ssize_t r = ::preadv(fd_, iov.data() + first, count, static_cast<off_t>(offset));
+    if (r < 0 && errno == EINTR) continue;
+    if (r < 0) return -errno;
+    if (r == 0) return -EIO;  // the file ends early: truncated under the tier
+    offset += static_cast<std::uint64_t>(r);
+    advance(iov, first, static_cast<std::size_t>(r));
   }
   return 0;
 }

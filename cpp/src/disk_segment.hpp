@@ -1,14 +1,18 @@
 #pragma once
 // The disk tier's files (internal to disk_tier.cpp). A segment is a file of entries appended
-// one after another, each aligned to kAlign so that direct I/O can read it alone:
+// one after another, each aligned to kAlign so that direct I/O can read it alone. An entry of a
+// value of V bytes puts the value's whole kAlign blocks (its head, V rounded down to kAlign) last,
+// so that direct I/O moves them straight between a host slot and the disk, and the header with
+// the rest of the value (its tail, under kAlign bytes) first, in a lead block:
 //
-//   [EntryHeader: 64 bytes][value: value_bytes][zeros up to the next kAlign boundary]
+//   [EntryHeader: 64 bytes][value[head, V)][zeros to kAlign] [value[0, head)]
 //
-// The header names the value by a 16-byte hash of its name and carries a checksum of its own
-// fields, so a torn or overwritten header is seen (the value itself is checked by its tier
-// record). A sealed (full) segment gets an index file beside it: its entries' names, offsets
-// and sizes, with a checksum, so that opening the directory reads a few bytes an entry instead
-// of scanning the segment.
+// (An entry takes as many bytes as [header][value][zeros] would: aligned(64 + V).) The header
+// names the value by a 16-byte hash of its name and carries a checksum of its own fields, so a
+// torn or overwritten header is seen (the value itself is checked by its tier record). A sealed
+// (full) segment gets an index file beside it: its entries' names, offsets and sizes, with a
+// checksum, so that opening the directory reads a few bytes an entry instead of scanning the
+// segment.
 
 #include <array>
 #include <cstddef>
@@ -19,15 +23,23 @@
 #include <string_view>
 #include <vector>
 
+struct iovec;
+
 namespace hicache::detail {
 
 constexpr std::size_t kAlign = 4096;
 constexpr std::size_t kEntryHeaderBytes = 64;
 
 inline std::size_t aligned(std::size_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
+/// The part of a value that lies aligned at the end of its entry (whole kAlign blocks).
+inline std::size_t value_head(std::size_t value_bytes) { return value_bytes / kAlign * kAlign; }
+/// Bytes of an entry's lead block(s): the header and the value's tail.
+inline std::size_t entry_lead(std::size_t value_bytes) {
+  return aligned(kEntryHeaderBytes + value_bytes - value_head(value_bytes));
+}
 /// Bytes an entry of a value of `value_bytes` takes in its segment.
 inline std::size_t entry_extent(std::size_t value_bytes) {
-  return aligned(kEntryHeaderBytes + value_bytes);
+  return entry_lead(value_bytes) + value_head(value_bytes);
 }
 
 using NameHash = std::array<std::uint8_t, 16>;
@@ -95,9 +107,15 @@ class SegmentFile {
   /// writes a run in pieces, then moves the end past the ones that landed (set_size).
   /// Returns 0 or a negative errno.
   int write_at(const std::byte* bytes, std::size_t n, std::uint64_t offset) const;
-  /// Reads the entry at `offset` of `extent` bytes into `buf` (aligned, at least extent).
+  /// Writes the buffers `iov` (direct I/O: each aligned in address and size) at `offset`, one
+  /// request where the kernel takes it whole. Returns 0 or a negative errno. `iov` is consumed.
+  int write_at(std::vector<iovec>& iov, std::uint64_t offset) const;
+  /// Reads `extent` bytes at `offset` into `buf` (aligned, at least extent).
   /// Returns 0, or a negative errno, or -EIO for a short read (a truncated file).
   int read(std::uint64_t offset, std::size_t extent, std::byte* buf) const;
+  /// Reads the bytes at `offset` into the buffers `iov` (aligned as for write_at), one request.
+  /// Returns as read() does. `iov` is consumed.
+  int read(std::uint64_t offset, std::vector<iovec>& iov) const;
   /// Scans the file's entries from the start, stopping at the first header that does not check
   /// out (the torn end of a segment being written when its process died). `damaged` counts
   /// headers that failed while bytes were left.

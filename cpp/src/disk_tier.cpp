@@ -4,6 +4,7 @@
 #include <fcntl.h>
 #include <sys/file.h>
 #include <sys/stat.h>
+#include <sys/uio.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -31,15 +32,19 @@ namespace hicache {
 
 using detail::AlignedBuffer;
 using detail::entry_extent;
+using detail::entry_lead;
 using detail::kAlign;
 using detail::kEntryHeaderBytes;
 using detail::NameHash;
 using detail::SegmentEntry;
 using detail::SegmentFile;
+using detail::value_head;
 
 namespace {
 
-constexpr char kFormat[] = "hicache disk tier, format 1\n";
+// 2: an entry's value head lies last and aligned, so direct I/O moves it straight between a host
+// slot and the disk (disk_segment.hpp).
+constexpr char kFormat[] = "hicache disk tier, format 2\n";
 constexpr std::size_t kRefreshQueueBytes = std::size_t{64} << 20;  // values waiting to move up
 // A write goes in pieces of this many bytes, the next copied while one is written.
 constexpr std::uint64_t kPiece = std::uint64_t{8} << 20;
@@ -48,6 +53,9 @@ constexpr std::uint64_t kPiece = std::uint64_t{8} << 20;
 // project's 2-core machine, 64 pages of 1 MiB read one request a page reached 0.9-1.0 GB/s, in
 // requests of 4-16 MiB on 8-16 threads 1.3-1.6 GB/s (its raw 64 MiB loop: 1.4-1.7 GB/s).
 constexpr std::uint64_t kReadRun = std::uint64_t{4} << 20;
+// Entries of one write piece or read run at most: two buffers an entry (its lead block, its
+// head), within the kernel's IOV_MAX (1024) of one request.
+constexpr std::size_t kRunEntries = 256;
 
 std::string errno_text(int err) { return std::strerror(err < 0 ? -err : err); }
 
@@ -165,13 +173,17 @@ struct DiskTier::Impl {
   std::map<std::int64_t, Batch> batches;
   std::int64_t next_batch = 1;
   DiskTierStats st;
+  // Values go straight between host memory and the disk (no copy through an aligned buffer)
+  // while this holds; a request that fails for its memory (EFAULT, EINVAL: memory that direct
+  // I/O cannot pin, a misaligned buffer) clears it and is made again through a buffer.
+  std::atomic<bool> zero_copy{true};
 
   // The writer: puts and refreshes, in order, on one thread.
   std::deque<std::variant<PutJob, RefreshJob>> writes;
   std::size_t refresh_bytes = 0;
   std::condition_variable write_cv;
   // Readers: parts of get batches.
-  std::deque<std::function<void(AlignedBuffer&)>> reads;
+  std::deque<std::function<void(AlignedBuffer&, std::vector<iovec>&)>> reads;
   std::condition_variable read_cv;
   bool stopping = false;
   std::thread writer;
@@ -403,6 +415,58 @@ struct DiskTier::Impl {
     }
   }
 
+  // Whether a value at `p` can go straight between its memory and the disk.
+  bool straight_ok(const void* p) const {
+    return !direct || reinterpret_cast<std::uintptr_t>(p) % kAlign == 0;
+  }
+
+  // Lays entries [k, end) out for one write: each one's lead block (header, the value's tail) in
+  // `buf`, then its head, from the value's own memory where `straight` allows it and the memory
+  // is aligned, else copied into `buf`. Returns the values that go straight.
+  std::int64_t lay_out(const std::vector<NameHash>& names,
+                       const std::vector<const std::byte*>& values,
+                       const std::vector<std::size_t>& sizes, const std::uint64_t* seqs,
+                       std::size_t k, std::size_t end, AlignedBuffer& buf, std::vector<iovec>& iov,
+                       bool straight) const {
+    std::size_t staged = 0;
+    for (std::size_t e = k; e < end; ++e) {
+      const bool own = straight && straight_ok(values[e]);
+      staged += entry_lead(sizes[e]) + (own ? 0 : value_head(sizes[e]));
+    }
+    buf.reserve(staged);
+    iov.clear();
+    std::int64_t direct_values = 0;
+    std::byte* p = buf.data();
+    for (std::size_t e = k; e < end; ++e) {
+      const std::size_t head = value_head(sizes[e]), lead = entry_lead(sizes[e]);
+      const std::size_t tail = sizes[e] - head;
+      detail::write_entry_header(p, names[e], sizes[e], seqs[e - k]);
+      std::memcpy(p + kEntryHeaderBytes, values[e] + head, tail);
+      std::memset(p + kEntryHeaderBytes + tail, 0, lead - kEntryHeaderBytes - tail);
+      add_buffer(iov, p, lead);
+      p += lead;
+      if (head == 0) continue;
+      if (straight && straight_ok(values[e])) {
+        add_buffer(iov, const_cast<std::byte*>(values[e]), head);  // pwritev only reads it
+        ++direct_values;
+      } else {
+        std::memcpy(p, values[e], head);
+        add_buffer(iov, p, head);
+        p += head;
+      }
+    }
+    return direct_values;
+  }
+
+  // Appends a buffer to a request, merged with the last one where they are contiguous.
+  static void add_buffer(std::vector<iovec>& iov, std::byte* p, std::size_t n) {
+    if (!iov.empty() && static_cast<std::byte*>(iov.back().iov_base) + iov.back().iov_len == p) {
+      iov.back().iov_len += n;
+    } else {
+      iov.push_back({p, n});
+    }
+  }
+
   // Appends entries (name, value) in order; returns each one's Loc or nullopt. Takes mu around
   // its bookkeeping only: the writes themselves run unlocked (reads go on meanwhile).
   std::vector<std::optional<Loc>> append(const std::vector<NameHash>& names,
@@ -447,54 +511,67 @@ struct DiskTier::Impl {
       for (std::size_t k = i; k < j; ++k) seqs.push_back(sequence++);
       const std::uint64_t start = f->size();
       g.unlock();
-      // The run goes in pieces of whole entries (up to kPiece bytes): each is copied into one
-      // staging buffer while the piece before it is written from the other.
+      // The run goes in pieces of whole entries (up to kPiece bytes): each is laid out (its
+      // lead blocks written, the heads of values in unaligned memory copied) in one staging
+      // buffer while the piece before it is written from the other.
       std::size_t landed = i;  // entries [i, landed) are on disk
       std::uint64_t landed_end = start;
+      std::int64_t straight = 0;  // values of landed pieces written from their own memory
       int rc = 0;
       {
         std::future<int> writing;
-        std::size_t writing_end = i;
-        std::uint64_t writing_bytes = 0;
+        std::size_t writing_begin = i, writing_end = i;
+        std::uint64_t writing_bytes = 0, writing_at = start;
+        std::int64_t writing_straight = 0;
+        std::vector<iovec> iovs[2];
+        // Waits for the piece in flight; one that failed for its memory is written again, staged.
+        auto land = [&]() {
+          int r = writing.get();
+          if (r != 0 && writing_straight > 0 && (r == -EFAULT || r == -EINVAL)) {
+            zero_copy = false;
+            AlignedBuffer again;
+            std::vector<iovec> iov;
+            lay_out(names, values, sizes, seqs.data() + (writing_begin - i), writing_begin,
+                    writing_end, again, iov, false);
+            r = f->write_at(iov, writing_at);
+            writing_straight = 0;
+          }
+          if (r == 0) {
+            landed = writing_end;
+            landed_end += writing_bytes;
+            straight += writing_straight;
+          }
+          return r;
+        };
         std::uint64_t at = start;
         std::size_t k = i;
         for (int piece = 0; k < j && rc == 0; ++piece) {
           std::size_t end = k;
           std::uint64_t bytes = 0;
-          while (end < j && (bytes == 0 || bytes + entry_extent(sizes[end]) <= kPiece)) {
+          while (end < j && end - k < kRunEntries &&
+                 (bytes == 0 || bytes + entry_extent(sizes[end]) <= kPiece)) {
             bytes += entry_extent(sizes[end]);
             ++end;
           }
-          AlignedBuffer& buf = staging[piece % 2];
-          buf.reserve(bytes);
-          std::byte* p = buf.data();
-          for (std::size_t e = k; e < end; ++e) {
-            detail::write_entry_header(p, names[e], sizes[e], seqs[e - i]);
-            std::memcpy(p + kEntryHeaderBytes, values[e], sizes[e]);
-            const std::size_t x = entry_extent(sizes[e]);
-            std::memset(p + kEntryHeaderBytes + sizes[e], 0, x - kEntryHeaderBytes - sizes[e]);
-            p += x;
-          }
+          std::vector<iovec>& iov = iovs[piece % 2];
+          const std::int64_t direct_values =
+              lay_out(names, values, sizes, seqs.data() + (k - i), k, end, staging[piece % 2], iov,
+                      zero_copy.load());
           if (writing.valid()) {
-            rc = writing.get();
+            rc = land();
             if (rc != 0) break;
-            landed = writing_end;
-            landed_end += writing_bytes;
           }
-          writing = std::async(std::launch::async, [&f, data = buf.data(), bytes, at] {
-            return f->write_at(data, bytes, at);
-          });
+          writing = std::async(std::launch::async, [&f, &iov, at] { return f->write_at(iov, at); });
+          writing_begin = k;
           writing_end = end;
           writing_bytes = bytes;
+          writing_at = at;
+          writing_straight = direct_values;
           at += bytes;
           k = end;
         }
         if (writing.valid()) {
-          const int last = writing.get();
-          if (rc == 0 && last == 0) {
-            landed = writing_end;
-            landed_end += writing_bytes;
-          }
+          const int last = land();
           if (rc == 0) rc = last;
         }
       }
@@ -512,6 +589,7 @@ struct DiskTier::Impl {
         off += entry_extent(sizes[e]);
       }
       st.values_written += static_cast<std::int64_t>(landed - i);
+      st.values_written_direct += straight;
       if (rc != 0) {
         st.write_failures += static_cast<std::int64_t>(j - landed);
         note("write to segment " + std::to_string(f->id()) + ": " + errno_text(rc));
@@ -578,6 +656,7 @@ struct DiskTier::Impl {
 
   void read_loop() {
     AlignedBuffer buf(kAlign);
+    std::vector<iovec> iov;
     std::unique_lock<std::mutex> g(mu);
     for (;;) {
       read_cv.wait(g, [&] { return stopping || !reads.empty(); });
@@ -585,7 +664,7 @@ struct DiskTier::Impl {
       auto job = std::move(reads.front());
       reads.pop_front();
       g.unlock();
-      job(buf);
+      job(buf, iov);
       g.lock();
     }
   }
@@ -606,18 +685,20 @@ struct DiskTier::Impl {
     Loc loc;
   };
 
-  // Checks the entry at `extent` (read from loc) and hands its value over; results[w.k]. The
-  // value is copied without mu, so that the read threads copy side by side (under mu they took
-  // turns, and held up every other call of the tier meanwhile).
-  void deliver(const Want& w, const NameHash& name, const std::byte* extent, int rc,
-               std::byte* dest, std::vector<std::int64_t>& results) {
+  // Checks the entry whose lead block was read to `lead` (from w.loc) and hands its value over;
+  // results[w.k]. The value's head is at `body`, or already in `dest` (body null: read straight
+  // there). Copies run without mu, so that the read threads copy side by side (under mu they
+  // took turns, and held up every other call of the tier meanwhile).
+  void deliver(const Want& w, const NameHash& name, const std::byte* lead, const std::byte* body,
+               int rc, std::byte* dest, std::vector<std::int64_t>& results) {
+    const std::size_t bytes = w.loc.value_bytes, head = value_head(bytes);
     std::optional<detail::EntryInfo> info;
-    if (rc == 0) {
-      info = detail::read_entry_header(extent, entry_extent(w.loc.value_bytes) - kEntryHeaderBytes);
+    if (rc == 0) info = detail::read_entry_header(lead, entry_extent(bytes) - kEntryHeaderBytes);
+    const bool good = rc == 0 && info && info->name == name && info->value_bytes == bytes;
+    if (good) {
+      if (body != nullptr) std::memcpy(dest, body, head);
+      std::memcpy(dest + head, lead + kEntryHeaderBytes, bytes - head);
     }
-    const bool good =
-        rc == 0 && info && info->name == name && info->value_bytes == w.loc.value_bytes;
-    if (good) std::memcpy(dest, extent + kEntryHeaderBytes, w.loc.value_bytes);
     std::unique_lock<std::mutex> g(mu);
     if (!good) {
       ++st.read_failures;
@@ -634,39 +715,62 @@ struct DiskTier::Impl {
       results[w.k] = kFailed;
       return;
     }
-    results[w.k] = static_cast<std::int64_t>(w.loc.value_bytes);
+    results[w.k] = static_cast<std::int64_t>(bytes);
     ++st.values_read;
-    if (!read_only && refresh_bytes + w.loc.value_bytes <= kRefreshQueueBytes &&
-        in_older_half(w.loc.file)) {
-      refresh_bytes += w.loc.value_bytes;  // its room in the queue, taken before the copy
+    if (body == nullptr && head > 0) ++st.values_read_direct;
+    if (!read_only && refresh_bytes + bytes <= kRefreshQueueBytes && in_older_half(w.loc.file)) {
+      refresh_bytes += bytes;  // its room in the queue, taken before the copy
       g.unlock();
-      RefreshJob r{name, w.loc,
-                   std::vector<std::byte>(extent + kEntryHeaderBytes,
-                                          extent + kEntryHeaderBytes + w.loc.value_bytes)};
+      RefreshJob r{name, w.loc, std::vector<std::byte>(dest, dest + bytes)};
       g.lock();
       writes.emplace_back(std::move(r));
       write_cv.notify_one();
     }
   }
 
-  // Reads a run of entries that lie back to back in one segment, in one request; entry by entry
-  // if that fails (a file cut short may still hold the first ones).
+  // Reads a run of entries that lie back to back in one segment, in one request: each entry's
+  // lead block into `buf`, its head straight into its destination where the memory allows it
+  // (else into `buf` too, then copied). Entry by entry through `buf` if that fails (a file cut
+  // short may still hold the first ones).
   void read_run(const std::vector<Want>& run, const std::vector<NameHash>& names,
                 const std::vector<std::byte*>& dests, std::vector<std::int64_t>& results,
-                AlignedBuffer& buf) {
-    const std::uint64_t first = run.front().loc.offset;
-    const std::uint64_t bytes =
-        run.back().loc.offset + entry_extent(run.back().loc.value_bytes) - first;
-    buf.reserve(bytes);
-    if (run.size() > 1 && run.front().loc.file->read(first, bytes, buf.data()) == 0) {
+                AlignedBuffer& buf, std::vector<iovec>& iov) {
+    bool straight = zero_copy.load();
+    for (const Want& w : run) straight = straight && straight_ok(dests[w.k]);
+    if (run.size() > 1 || straight) {
+      std::size_t staged = 0;
       for (const Want& w : run) {
-        deliver(w, names[w.k], buf.data() + (w.loc.offset - first), 0, dests[w.k], results);
+        staged += entry_lead(w.loc.value_bytes) + (straight ? 0 : value_head(w.loc.value_bytes));
       }
-      return;
+      buf.reserve(staged);
+      iov.clear();
+      std::byte* p = buf.data();
+      for (const Want& w : run) {
+        const std::size_t head = value_head(w.loc.value_bytes);
+        add_buffer(iov, p, entry_lead(w.loc.value_bytes));
+        p += entry_lead(w.loc.value_bytes);
+        if (head == 0) continue;
+        add_buffer(iov, straight ? dests[w.k] : p, head);
+        if (!straight) p += head;
+      }
+      const int rc = run.front().loc.file->read(run.front().loc.offset, iov);
+      if (rc == 0) {
+        p = buf.data();
+        for (const Want& w : run) {
+          const std::size_t lead = entry_lead(w.loc.value_bytes);
+          deliver(w, names[w.k], p, straight ? nullptr : p + lead, 0, dests[w.k], results);
+          p += lead + (straight ? 0 : value_head(w.loc.value_bytes));
+        }
+        return;
+      }
+      if (straight && (rc == -EFAULT || rc == -EINVAL)) zero_copy = false;
     }
     for (const Want& w : run) {
-      const int rc = w.loc.file->read(w.loc.offset, entry_extent(w.loc.value_bytes), buf.data());
-      deliver(w, names[w.k], buf.data(), rc, dests[w.k], results);
+      const std::size_t extent = entry_extent(w.loc.value_bytes);
+      buf.reserve(extent);
+      const int rc = w.loc.file->read(w.loc.offset, extent, buf.data());
+      deliver(w, names[w.k], buf.data(), buf.data() + entry_lead(w.loc.value_bytes), rc, dests[w.k],
+              results);
     }
   }
 };
@@ -675,6 +779,8 @@ DiskTier::DiskTier(DiskTierOptions options) : impl_(std::make_unique<Impl>(std::
 DiskTier::~DiskTier() = default;
 
 const DiskTierOptions& DiskTier::options() const { return impl_->o; }
+
+std::size_t DiskTier::value_alignment() const { return impl_->direct ? kAlign : 0; }
 
 std::int64_t DiskTier::put(std::span<const std::string> names,
                            std::span<const std::byte* const> values,
@@ -740,7 +846,7 @@ std::int64_t DiskTier::get(std::span<const std::string> names, std::span<std::by
     if (run != nullptr) {
       const Impl::Loc& last = run->back().loc;
       const std::uint64_t end = last.offset + entry_extent(last.value_bytes);
-      if (last.file == w.loc.file && end == w.loc.offset &&
+      if (last.file == w.loc.file && end == w.loc.offset && run->size() < kRunEntries &&
           end + entry_extent(w.loc.value_bytes) - run->front().loc.offset <= kReadRun) {
         run->push_back(w);
         continue;
@@ -753,9 +859,9 @@ std::int64_t DiskTier::get(std::span<const std::string> names, std::span<std::by
       std::min<std::size_t>(static_cast<std::size_t>(im.o.read_threads), s->runs.size());
   s->left = parts;
   for (std::size_t p = 0; p < parts; ++p) {
-    im.reads.emplace_back([&im, s, batch, p, parts](AlignedBuffer& buf) {
+    im.reads.emplace_back([&im, s, batch, p, parts](AlignedBuffer& buf, std::vector<iovec>& iov) {
       for (std::size_t r = p; r < s->runs.size(); r += parts) {
-        im.read_run(s->runs[r], s->names, s->dests, s->results, buf);
+        im.read_run(s->runs[r], s->names, s->dests, s->results, buf, iov);
       }
       if (s->left.fetch_sub(1) == 1) {
         std::lock_guard<std::mutex> g2(im.mu);

@@ -14,10 +14,13 @@
 namespace hicache {
 namespace {
 
+// Host allocators hand out whole pages (aligned_alloc, mmap, cudaHostAlloc): the largest
+// alignment a slot can be given by its stride alone.
+constexpr std::size_t kPage = 4096;
+
 class AlignedHostAllocator final : public HostAllocator {
  public:
   void* allocate(std::size_t bytes) override {
-    constexpr std::size_t kPage = 4096;
     void* p = std::aligned_alloc(kPage, (bytes + kPage - 1) / kPage * kPage);
     if (p == nullptr) throw Error("host allocation of " + std::to_string(bytes) + " bytes failed");
     return p;
@@ -65,7 +68,8 @@ std::shared_ptr<HostAllocator> make_aligned_host_allocator() {
 }
 
 HostPool::HostPool(std::size_t slot_bytes, std::int64_t num_slots, std::size_t chunk_bytes,
-                   std::shared_ptr<HostAllocator> allocator, Growth growth)
+                   std::shared_ptr<HostAllocator> allocator, Growth growth,
+                   std::size_t wanted_align)
     : slot_bytes_(slot_bytes),
       num_slots_(num_slots),
       allocator_(std::move(allocator)),
@@ -74,7 +78,18 @@ HostPool::HostPool(std::size_t slot_bytes, std::int64_t num_slots, std::size_t c
   if (num_slots < 0) throw std::invalid_argument("host pool: num_slots must be >= 0");
   if (!allocator_) throw std::invalid_argument("host pool: allocator required");
   if (slot_bytes > SIZE_MAX / 2) throw std::invalid_argument("host pool: slot_bytes too large");
+  if (wanted_align & (wanted_align - 1)) {
+    throw std::invalid_argument("host pool: wanted_align must be a power of two (got " +
+                                std::to_string(wanted_align) + ")");
+  }
   slot_stride_ = (slot_bytes + kSlotAlign - 1) / kSlotAlign * kSlotAlign;
+  if (wanted_align > kSlotAlign && wanted_align <= kPage) {
+    const std::size_t stride = (slot_bytes + wanted_align - 1) / wanted_align * wanted_align;
+    if ((stride - slot_stride_) * 64 <= slot_bytes) {
+      slot_stride_ = stride;
+      slot_align_ = wanted_align;
+    }
+  }
   slots_per_chunk_ = static_cast<std::int64_t>(
       std::clamp<std::size_t>(chunk_bytes / slot_stride_, 1, std::size_t{1} << 40));
   // Without rounding up past INT64_MAX (capacity 2**63-1 is a valid "unbounded" pool).

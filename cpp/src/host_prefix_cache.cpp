@@ -153,12 +153,14 @@ HostPrefixCache::HostPrefixCache(std::vector<Segment> segments, Device device, C
       // Pinning is slow: pinned pools are pinned at start-up, or in the background from
       // start-up on, off the engine's thread (see CacheConfig::pin_upfront). With a tier, each
       // slot has room for its page's record, and the tier is told about the pool's memory.
-      mover_(std::move(segments), device, config_.capacity_pages, std::move(copier), nullptr,
-             config_.pool_chunk_bytes, !config_.pin_upfront,
-             tier_gate_ ? tier_record_bytes(config_.block_tokens) : 0,
-             [gate = tier_gate_](std::shared_ptr<HostAllocator> memory) {
-               return gate ? tier_memory(std::move(memory), gate) : memory;
-             }),
+      mover_(
+          std::move(segments), device, config_.capacity_pages, std::move(copier), nullptr,
+          config_.pool_chunk_bytes, !config_.pin_upfront,
+          tier_gate_ ? tier_record_bytes(config_.block_tokens) : 0,
+          [gate = tier_gate_](std::shared_ptr<HostAllocator> memory) {
+            return gate ? tier_memory(std::move(memory), gate) : memory;
+          },
+          tier_gate_ ? tier_gate_->tier->value_alignment() : 0),
       catalog_({config_.capacity_pages, config_.eviction, config_.admission}),
       states_(config_.state_bytes > 0 ? config_.capacity_states : 0) {
   if (mover_.layout().segments().empty()) {

@@ -23,7 +23,8 @@ SlotMover::SlotMover(
     std::shared_ptr<Copier> copier, std::shared_ptr<HostAllocator> memory, std::size_t chunk_bytes,
     bool pin_in_background, std::size_t slot_extra_bytes,
     const std::function<std::shared_ptr<HostAllocator>(std::shared_ptr<HostAllocator>)>&
-        wrap_memory)
+        wrap_memory,
+    std::size_t slot_align)
     : layout_(std::move(segments), device),
       copier_(copier ? std::move(copier) : default_copier(device)) {
   if (!copier_->supports(device)) {
@@ -45,7 +46,7 @@ SlotMover::SlotMover(
   // A state-only layout's pages hold nothing: one byte a slot keeps the pool's arithmetic.
   pool_ =
       std::make_unique<HostPool>(std::max<std::size_t>(layout_.page_bytes() + slot_extra_bytes, 1),
-                                 num_slots, chunk_bytes, std::move(memory), growth);
+                                 num_slots, chunk_bytes, std::move(memory), growth, slot_align);
 }
 
 SlotMover::~SlotMover() {

@@ -246,3 +246,26 @@ TEST(HostPool, BackgroundModeReportsAFailureOnceThenAllocatesWhenAskedAgain) {
   EXPECT_NE(pool.slot(4), nullptr);
   EXPECT_EQ(pool.allocated_bytes(), 8192u);
 }
+
+TEST(HostPool, SlotsTakeATiersAlignmentOnlyWhereItCostsLittle) {
+  auto memory = hicache::make_aligned_host_allocator();
+  // A 1 MiB page and a 320-byte record: 4096-aligned slots add 3776 bytes (1/278 of a slot).
+  hicache::HostPool big((1 << 20) + 320, 8, 4 << 20, memory, hicache::HostPool::Growth::kOnDemand,
+                        4096);
+  EXPECT_EQ(big.slot_align(), 4096u);
+  EXPECT_EQ(big.slot_stride(), (1u << 20) + 4096);
+  for (std::int64_t i = 0; i < 8; ++i) {
+    EXPECT_EQ(reinterpret_cast<std::uintptr_t>(big.slot(i)) % 4096, 0u) << i;
+  }
+  // A 4 KiB page and its record: 4096-aligned slots would add 3776 bytes to 4416 (negative
+  // control: the pool keeps 256).
+  hicache::HostPool small(4096 + 320, 8, 1 << 20, memory, hicache::HostPool::Growth::kOnDemand,
+                          4096);
+  EXPECT_EQ(small.slot_align(), hicache::HostPool::kSlotAlign);
+  EXPECT_EQ(small.slot_stride(), 4096u + 512);
+  hicache::HostPool plain((1 << 20) + 320, 8, 4 << 20, memory);
+  EXPECT_EQ(plain.slot_stride(), (1u << 20) + 512);
+  EXPECT_THROW(
+      hicache::HostPool(4096, 8, 1 << 20, memory, hicache::HostPool::Growth::kOnDemand, 3000),
+      std::invalid_argument);
+}

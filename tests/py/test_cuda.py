@@ -206,6 +206,33 @@ def test_a_store_that_outruns_the_pinning_is_cut_counted_and_the_pool_still_beco
     assert cache.stats().pages_stored == 4096
 
 
+def test_a_gpu_cache_restarted_over_a_disk_tier_loads_exactly_what_it_stored(tmp_path) -> None:
+    # Pinned host slots of 2 MiB pages are aligned to 4096, so the disk's direct I/O writes each
+    # page from its pinned slot and reads it back into one, with no copy through the tier's own
+    # buffer (pinned memory takes direct I/O); after a restart the GPU blocks get the same bytes.
+    kv_a = [random_(torch.empty(16, B, 8, 128, dtype=torch.bfloat16, device="cuda")) for _ in range(4)]
+    prompt = torch.arange(6 * B + 5, dtype=torch.int32)
+    tier = hicache.DiskTier(tmp_path / "disk", 256 << 20)
+    a = hicache.HostPrefixCache(kv_a, block_tokens=B, capacity_pages=16, tier=tier)
+    assert a.store("a", prompt, list(range(7))) == 6
+    torch.cuda.synchronize()
+    a.flush_tier()
+    assert a.stats().tier_pages_written == 6
+    assert tier.stats()["values_written_direct"] == 6, tier.stats()
+    del a, tier  # the engine restarts
+    tier = hicache.DiskTier(tmp_path / "disk", 256 << 20)
+    kv_b = [torch.zeros_like(t) for t in kv_a]
+    b = hicache.HostPrefixCache(kv_b, block_tokens=B, capacity_pages=16, tier=tier, tier_wait_ms=10_000)
+    target = list(range(10, 16))
+    assert b.try_resume("b", prompt, lambda n: target[: n // B]) == 6 * B
+    torch.cuda.synchronize()
+    assert all(
+        torch.equal(x, y) for x, y in zip(pages(kv_a, list(range(6))), pages(kv_b, target), strict=True)
+    )
+    s = tier.stats()
+    assert (s["values_read"], s["values_read_direct"], s["read_failures"]) == (6, 6, 0), s
+
+
 @pytest.mark.parametrize("wait_ms", [1000.0, 0.0], ids=["wait", "prefetch"])
 def test_a_shared_tier_serves_a_gpu_cache_what_another_one_stored(wait_ms: float) -> None:
     # Two engine "hosts" on one GPU with their own pinned pools share an in-memory tier: the

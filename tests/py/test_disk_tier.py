@@ -129,7 +129,9 @@ def test_a_damaged_page_on_disk_is_a_miss_counted_never_served(disk: Path) -> No
     del a, tier
     seg = sorted(disk.glob("seg-*.hcd"))[0]
     data = bytearray(seg.read_bytes())
-    data[3 * 8192 + 64 + 100] ^= 0xFF  # a byte of page 3's value (each entry: 8 KiB here)
+    # A byte of page 3: each entry is 8 KiB here, a 4 KiB lead block (header, record), then the
+    # page's 4 KiB.
+    data[3 * 8192 + 4096 + 100] ^= 0xFF
     seg.write_bytes(bytes(data))
     tier = hicache.DiskTier(disk, 64 << 20)
     kv_b = np.zeros_like(kv)

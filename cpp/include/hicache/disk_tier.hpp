@@ -24,9 +24,11 @@
 // I/O: direct I/O (O_DIRECT) where the filesystem allows it (the host pool is the cache above
 // it: the page cache would hold the same bytes twice), else buffered (tmpfs). Writes go in one
 // sequential write a batch from one writer thread; reads of a batch run on `read_threads`
-// threads. Every failure (ENOSPC, EIO, a file deleted or truncated under it, a read-only
-// filesystem) is a failed or missing value in the batch's results, counted in stats(); nothing
-// is thrown into the engine's calls.
+// threads. A value's whole 4 KiB blocks move straight between its host slot and the disk when the
+// slot is aligned (a cache aligns its slots to value_alignment() where that costs little), else
+// through an aligned buffer and a copy. Every failure (ENOSPC, EIO, a file deleted or truncated
+// under it, a read-only filesystem) is a failed or missing value in the batch's results, counted in
+// stats(); nothing is thrown into the engine's calls.
 
 #include <cstddef>
 #include <cstdint>
@@ -61,6 +63,10 @@ struct DiskTierStats {
   std::int64_t values_written = 0;    ///< values appended (puts and rewrites of values read)
   std::int64_t values_rewritten = 0;  ///< of those, values read from the older half, moved up
   std::int64_t values_read = 0;
+  /// Values moved straight between host memory and the disk by direct I/O, without a copy
+  /// through an aligned buffer (the host slot was aligned: value_alignment()).
+  std::int64_t values_written_direct = 0;
+  std::int64_t values_read_direct = 0;
   std::int64_t segments_evicted = 0;  ///< oldest segments removed for room
   std::int64_t write_failures = 0;    ///< values not written (full disk, I/O error, read-only)
   std::int64_t read_failures = 0;     ///< values found in the index but not readable
@@ -94,6 +100,8 @@ class DiskTier final : public Tier {
   bool wait(std::int64_t batch, std::chrono::microseconds timeout) override;
   /// Three gets in flight behind the one being checked: the disk never waits for the cache.
   std::size_t gets_in_flight() const override { return 3; }
+  /// With direct I/O, 4096: a value in memory aligned so goes straight between it and the disk.
+  std::size_t value_alignment() const override;
 
   DiskTierStats stats() const;
   const DiskTierOptions& options() const;

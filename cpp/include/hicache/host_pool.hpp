@@ -3,7 +3,9 @@
 //
 // A pool of N slots never allocates N * slot_bytes at once, and its bookkeeping grows with the
 // chunks in use, never with N: an idle cache of any capacity costs a few bytes. Slots are rounded
-// up to 256 bytes (alignment for vector copies), never to a power of two.
+// up to 256 bytes (alignment for vector copies), never to a power of two; to a larger alignment
+// a tier asks for (Tier::value_alignment: a disk's direct I/O reads into a slot only if it is
+// aligned to 4096) where that adds at most 1/64 to a slot.
 //
 // Growth modes:
 //  - kOnDemand: the chunk holding a slot is allocated by the first slot() call in it (CPU pools,
@@ -87,10 +89,14 @@ class HostPool {
   }
 
   /// @param chunk_bytes target size of one allocation; a chunk holds at least one slot.
-  /// @throws std::invalid_argument for zero sizes; hicache::Error if kBackground or kUpFront
-  ///         cannot allocate what the constructor allocates.
+  /// @param wanted_align an alignment (a power of two) slots take if it adds at most 1/64 to a
+  ///        slot; 0 or below kSlotAlign: kSlotAlign.
+  /// @throws std::invalid_argument for zero sizes or an alignment that is not a power of two;
+  ///         hicache::Error if kBackground or kUpFront cannot allocate what the constructor
+  ///         allocates.
   HostPool(std::size_t slot_bytes, std::int64_t num_slots, std::size_t chunk_bytes,
-           std::shared_ptr<HostAllocator> allocator, Growth growth = Growth::kOnDemand);
+           std::shared_ptr<HostAllocator> allocator, Growth growth = Growth::kOnDemand,
+           std::size_t wanted_align = 0);
   ~HostPool();
   HostPool(const HostPool&) = delete;
   HostPool& operator=(const HostPool&) = delete;
@@ -108,6 +114,9 @@ class HostPool {
 
   std::size_t slot_bytes() const { return slot_bytes_; }
   std::size_t slot_stride() const { return slot_stride_; }
+  /// Every slot's address is a multiple of this (where the allocator's chunks are page-aligned,
+  /// as every allocator here hands them out).
+  std::size_t slot_align() const { return slot_align_; }
   std::int64_t num_slots() const { return num_slots_; }
   std::size_t allocated_bytes() const;
   /// The pool's bytes once whole.
@@ -133,6 +142,7 @@ class HostPool {
 
   std::size_t slot_bytes_;
   std::size_t slot_stride_;
+  std::size_t slot_align_ = kSlotAlign;
   std::int64_t num_slots_;
   std::int64_t slots_per_chunk_;
   std::size_t num_chunks_;

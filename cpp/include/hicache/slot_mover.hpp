@@ -39,6 +39,8 @@ class SlotMover {
   ///        the slot).
   /// @param wrap_memory if set, given the memory slots come from (pinned, for CUDA) and returns
   ///        what the pool uses instead (a cache with a tier registers each chunk with it).
+  /// @param slot_align an alignment slots take where it costs little (HostPool's wanted_align:
+  ///        a tier's value_alignment).
   /// @throws std::invalid_argument for a bad layout or segments the copier cannot reach.
   SlotMover(std::vector<Segment> segments, Device device, std::int64_t num_slots,
             std::shared_ptr<Copier> copier = nullptr,
@@ -46,7 +48,8 @@ class SlotMover {
             std::size_t chunk_bytes = std::size_t{1} << 30, bool pin_in_background = false,
             std::size_t slot_extra_bytes = 0,
             const std::function<std::shared_ptr<HostAllocator>(std::shared_ptr<HostAllocator>)>&
-                wrap_memory = {});
+                wrap_memory = {},
+            std::size_t slot_align = 0);
   /// Waits for every job in flight.
   ~SlotMover();
   SlotMover(const SlotMover&) = delete;

@@ -67,6 +67,10 @@ class Tier {
   /// whose client moves two batches at once slower than one after the other (Mooncake's); a
   /// disk, which idles between requests, wants more.
   virtual std::size_t gets_in_flight() const { return 1; }
+  /// Values put from and got into memory aligned to this many bytes move without a copy (a
+  /// disk's direct I/O: 4096); 0 (the default): any address is as good. A cache aligns its host
+  /// slots to it where that adds at most 1/64 to a slot (pages of 256 KiB and more).
+  virtual std::size_t value_alignment() const { return 0; }
 };
 
 /// How a host miss uses the tier (CacheConfig::tier). Pages reach the tier when the host stores
