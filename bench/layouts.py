@@ -19,6 +19,7 @@ Engine blocks and host slots are both shuffled, as in a cache that has run for a
     python bench/layouts.py --paths dma,staged,kernel --pages 1024
     python bench/layouts.py --cpu-cost
     python bench/layouts.py --mover --no-both     # the one-call API beside its copy half
+    python bench/layouts.py --engines --paths auto,dma   # engines' pools: 16-64-token blocks
 """
 
 from __future__ import annotations
@@ -36,7 +37,18 @@ import torch
 
 import hicache
 
-B = 128  # tokens per block: only the hash chain sees them
+B = 128  # tokens per block in the grid: only the hash chain sees them
+# Engines' own pools (--engines): the block sizes vLLM and SGLang use (16, 32, 64 tokens) for
+# four model shapes, bf16, one segment per layer and K/V tensor as vLLM and SGLang's MHA pools
+# lay them out (MLA: one latent tensor a layer). name: (layers x K/V tensors, bytes a token in one
+# tensor).
+ENGINE_SHAPES = {
+    "Llama-3-8B": (32 * 2, 8 * 128 * 2),  # 8 KV heads of 128
+    "Llama-3-70B, TP8": (80 * 2, 1 * 128 * 2),  # 8 KV heads over 8 ranks
+    "DeepSeek-V3 MLA": (61, 576 * 2),  # kv_lora_rank 512 + rope 64
+    "gpt-oss-120b": (36 * 2, 8 * 64 * 2),  # 64-dim heads, 8 KV heads
+}
+ENGINE_BLOCKS = [16, 32, 64]
 KIB = 1024
 CHUNKS_KIB = [16, 32, 64, 128, 144, 256, 512, 1024, 4096, 16384]
 SEGMENTS = [1, 2, 32, 61, 64, 96, 128]
@@ -79,9 +91,16 @@ class Point:
     """One layout: segments on the GPU, a cache over them, a cached prompt to load."""
 
     def __init__(
-        self, chunk: int, nseg: int, pages: int, path: str, capacity: int = 4, staging: int = 16 << 20
+        self,
+        chunk: int,
+        nseg: int,
+        pages: int,
+        path: str,
+        capacity: int = 4,
+        staging: int = 16 << 20,
+        tokens: int = B,
     ) -> None:
-        self.chunk, self.nseg, self.pages = chunk, nseg, pages
+        self.chunk, self.nseg, self.pages, self.tokens = chunk, nseg, pages, tokens
         self.page_bytes = chunk * nseg
         blocks = 2 * pages + 1
         self.segs = [torch.empty(blocks, chunk, dtype=torch.uint8, device=DEVICE) for _ in range(nseg)]
@@ -89,7 +108,7 @@ class Point:
             s.random_(0, 255)
         self.cache = hicache.HostPrefixCache(
             self.segs,
-            block_tokens=B,
+            block_tokens=tokens,
             capacity_pages=capacity * pages,
             cuda_path=path,
             cuda_staging_bytes=staging,
@@ -115,7 +134,7 @@ class Point:
         # Host slots in random order, as in a cache that has run for a while: fill the pool with
         # one-page prompts, touch them in a random order (a store of a cached page copies
         # nothing), so the measured prompts evict them, and take their slots, in that order.
-        singles = [torch.tensor([i] * B + [0], dtype=torch.int32) for i in range(capacity * pages)]
+        singles = [torch.tensor([i] * tokens + [0], dtype=torch.int32) for i in range(capacity * pages)]
         for i, one in enumerate(singles):
             self.cache.store("fill", one, [self.sources[i % pages]], stream=self.s1)
         self.sync()
@@ -129,7 +148,7 @@ class Point:
 
     def prompt(self) -> torch.Tensor:
         self.n += 1
-        return torch.arange(self.pages * B + 1, dtype=torch.int32) + self.n * 10_000_000
+        return torch.arange(self.pages * self.tokens + 1, dtype=torch.int32) + self.n * 10_000_000
 
     def fresh(self) -> torch.Tensor:
         """A prompt no page holds, made before the timed call (sync() prepares the next one): a
@@ -163,10 +182,11 @@ class Point:
         self.done.append(f"w{self.n}")
 
     def load(self, stream: Any) -> None:
-        got = self.cache.try_resume("r", self.cached, lambda n: self.targets[: n // B], stream=stream)
-        if got != self.pages * B:
+        t = self.tokens
+        got = self.cache.try_resume("r", self.cached, lambda n: self.targets[: n // t], stream=stream)
+        if got != self.pages * t:
             s = self.cache.stats()
-            raise Failed(f"loaded {got} tokens of {self.pages * B}: errors {s.errors}, {s.last_error}")
+            raise Failed(f"loaded {got} tokens of {self.pages * t}: errors {s.errors}, {s.last_error}")
         self.done.append("r")
 
     def measure(self, reps: int, both: bool = True) -> dict[str, float]:
@@ -202,6 +222,16 @@ class Point:
             "load_s": best_wall(lambda: self.load(self.s1), w, t, reps),
             "store_s": best_wall(store, w, t, reps),
         }
+        # The calls' own CPU time (until they return), best of reps, per page.
+        for name, call in (("load", lambda: self.load(self.s1)), ("store", store)):
+            ret = float("inf")
+            for _ in range(reps):
+                self.sync()
+                t0 = time.perf_counter()
+                call()
+                ret = min(ret, time.perf_counter() - t0)
+            self.sync()
+            r[f"{name}_call_us_a_page"] = ret / self.pages * 1e6
         r["load"] = r["h2d_s"] / r["load_s"]
         r["store"] = r["d2h_s"] / r["store_s"]
         # The wall-time target: at most 1.05 x the contiguous copy + 100 us (>= 1: met).
@@ -301,6 +331,59 @@ def run_grid(args: argparse.Namespace) -> None:
                 )
                 del p
                 torch.cuda.empty_cache()
+
+
+def engine_points() -> list[tuple[str, int, int, int]]:
+    """(model, block tokens, chunk bytes, segments) of every engine pool of --engines."""
+    return [
+        (model, tokens, tokens * per_token, nseg)
+        for model, (nseg, per_token) in ENGINE_SHAPES.items()
+        for tokens in ENGINE_BLOCKS
+    ]
+
+
+def run_engines(args: argparse.Namespace) -> None:
+    """Engines' own pools (ENGINE_SHAPES x ENGINE_BLOCKS) through the one-call API and its copy
+    half, with each call's CPU time a page."""
+    print(
+        f"# engines' pools x paths {args.paths} x staging {args.staging_mib} MiB; {args.pages[0]} pages a "
+        f"call (at most {args.max_batch >> 20} MiB); best of {args.reps}; "
+        f"{torch.cuda.get_device_name() if DEVICE == 'cuda' else 'cpu'}",
+        flush=True,
+    )
+    print(
+        "| model | block tokens | segments x chunk | page | pages | path | store | load | both at once "
+        "| CPU us a page: store / load call | SlotMover store / load / both at once |"
+    )
+    print("| --- " * 11 + "|", flush=True)
+    results = []
+    for model, tokens, chunk, nseg in engine_points():
+        pages = pages_for(chunk * nseg, args.pages[0], args.max_batch)
+        for path, mib in [(pa, m) for pa in args.paths for m in args.staging_mib]:
+            try:
+                p = Point(chunk, nseg, pages, path, capacity=2, staging=mib << 20, tokens=tokens)
+                r = p.measure(args.reps, both=not args.no_both)
+                p.measure_mover(args.reps, r)
+            except Failed as e:
+                print(f"| {model} | {tokens} | {nseg} x {chunk} | | {pages} | {path} | failed: {e} |")
+                continue
+            label = p.path if len(args.staging_mib) == 1 else f"{p.path}, {mib} MiB staging"
+            row = dict(model=model, tokens=tokens, chunk=chunk, segments=nseg, page=chunk * nseg,
+                       pages=pages, path=label, **r)  # fmt: skip
+            results.append(row)
+            if args.json:
+                with open(args.json, "w") as f:
+                    json.dump(results, f, indent=1)
+            size, page = f"{chunk / KIB:g} KiB", f"{chunk * nseg / 2**20:.2f} MiB"
+            print(
+                f"| {model} | {tokens} | {nseg} x {size} | {page} | {pages} | {label} "
+                f"| {r['store']:.3f} | {r['load']:.3f} | {r['both']:.3f} | {r['store_call_us_a_page']:.2f} / "
+                f"{r['load_call_us_a_page']:.2f} | {r['mover_store']:.3f} / {r['mover_load']:.3f} / "
+                f"{r['mover_both']:.3f} |",
+                flush=True,
+            )
+            del p
+            torch.cuda.empty_cache()
 
 
 def run_cpu_cost(args: argparse.Namespace) -> None:
@@ -426,6 +509,7 @@ def main() -> None:
     ap.add_argument("--json", default="", help="also write every result here, as it comes")
     ap.add_argument("--no-both", action="store_true", help="skip the both-directions-at-once runs")
     ap.add_argument("--cpu-cost", action="store_true")
+    ap.add_argument("--engines", action="store_true", help="engines' pools (16-64-token blocks), no grid")
     ap.add_argument("--mover", action="store_true", help="also time SlotMover's copy of the same pages")
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     ap.add_argument("--report", default="", help="print BENCHMARKS.md's table from a --json file, and stop")
@@ -438,7 +522,12 @@ def main() -> None:
     DEVICE = args.device
     if DEVICE == "cuda" and (not torch.cuda.is_available() or not hicache.cuda_available()):
         sys.exit("needs a CUDA GPU and a CUDA build of hicache (or --device cpu)")
-    run_cpu_cost(args) if args.cpu_cost else run_grid(args)
+    if args.cpu_cost:
+        run_cpu_cost(args)
+    elif args.engines:
+        run_engines(args)
+    else:
+        run_grid(args)
 
 
 if __name__ == "__main__":
