@@ -97,7 +97,7 @@ class Point:
         pages: int,
         path: str,
         capacity: int = 4,
-        staging: int = 16 << 20,
+        staging: int | None = None,
         tokens: int = B,
     ) -> None:
         self.chunk, self.nseg, self.pages, self.tokens = chunk, nseg, pages, tokens
@@ -111,7 +111,7 @@ class Point:
             block_tokens=tokens,
             capacity_pages=capacity * pages,
             cuda_path=path,
-            cuda_staging_bytes=staging,
+            **({} if staging is None else {"cuda_staging_bytes": staging}),
             admission="always",  # every store copies: this measures copies, not the policy
         )
         self.path = self.cache.copy_path
@@ -302,16 +302,17 @@ def run_grid(args: argparse.Namespace) -> None:
     for chunk, nseg in points:
         for wanted in args.pages:
             pages = pages_for(chunk * nseg, wanted, args.max_batch)
-            for path, mib in [(pa, m) for pa in args.paths for m in args.staging_mib]:
+            for path, mib in [(pa, m) for pa in args.paths for m in (args.staging_mib or [None])]:
                 try:
-                    p = Point(chunk, nseg, pages, path, capacity=2, staging=mib << 20)
+                    staging = None if mib is None else mib << 20
+                    p = Point(chunk, nseg, pages, path, capacity=2, staging=staging)
                     r = p.measure(args.reps, both=not args.no_both)
                     if args.mover:
                         p.measure_mover(args.reps, r)
                 except Failed as e:
                     print(f"| {chunk // KIB} KiB | {nseg} | | {pages} | {path} | failed: {e} |", flush=True)
                     continue
-                label = p.path if len(args.staging_mib) == 1 else f"{p.path}, {mib} MiB staging"
+                label = p.path if len(args.staging_mib) <= 1 else f"{p.path}, {mib} MiB staging"
                 row = dict(chunk=chunk, segments=nseg, page=chunk * nseg, pages=pages, path=label, **r)
                 results.append(row)
                 if args.json:  # after every point: an interrupted sweep keeps what it measured
@@ -346,8 +347,8 @@ def run_engines(args: argparse.Namespace) -> None:
     """Engines' own pools (ENGINE_SHAPES x ENGINE_BLOCKS) through the one-call API and its copy
     half, with each call's CPU time a page."""
     print(
-        f"# engines' pools x paths {args.paths} x staging {args.staging_mib} MiB; {args.pages[0]} pages a "
-        f"call (at most {args.max_batch >> 20} MiB); best of {args.reps}; "
+        f"# engines' pools x paths {args.paths} x staging {args.staging_mib or 'default'} MiB; "
+        f"{args.pages[0]} pages a call (at most {args.max_batch >> 20} MiB); best of {args.reps}; "
         f"{torch.cuda.get_device_name() if DEVICE == 'cuda' else 'cpu'}",
         flush=True,
     )
@@ -359,15 +360,16 @@ def run_engines(args: argparse.Namespace) -> None:
     results = []
     for model, tokens, chunk, nseg in engine_points():
         pages = pages_for(chunk * nseg, args.pages[0], args.max_batch)
-        for path, mib in [(pa, m) for pa in args.paths for m in args.staging_mib]:
+        for path, mib in [(pa, m) for pa in args.paths for m in (args.staging_mib or [None])]:
             try:
-                p = Point(chunk, nseg, pages, path, capacity=2, staging=mib << 20, tokens=tokens)
+                staging = None if mib is None else mib << 20
+                p = Point(chunk, nseg, pages, path, capacity=2, staging=staging, tokens=tokens)
                 r = p.measure(args.reps, both=not args.no_both)
                 p.measure_mover(args.reps, r)
             except Failed as e:
                 print(f"| {model} | {tokens} | {nseg} x {chunk} | | {pages} | {path} | failed: {e} |")
                 continue
-            label = p.path if len(args.staging_mib) == 1 else f"{p.path}, {mib} MiB staging"
+            label = p.path if len(args.staging_mib) <= 1 else f"{p.path}, {mib} MiB staging"
             row = dict(model=model, tokens=tokens, chunk=chunk, segments=nseg, page=chunk * nseg,
                        pages=pages, path=label, **r)  # fmt: skip
             results.append(row)
@@ -505,7 +507,9 @@ def main() -> None:
     ap.add_argument("--max-batch", type=int, default=1 << 30, help="bytes per call at most")
     ap.add_argument("--paths", type=lambda s: s.split(","), default=["auto"])
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--staging-mib", type=ints, default=[16], help="cuda_staging_bytes values, MiB")
+    ap.add_argument(
+        "--staging-mib", type=ints, default=[], help="cuda_staging_bytes values, MiB (default: the library's)"
+    )
     ap.add_argument("--json", default="", help="also write every result here, as it comes")
     ap.add_argument("--no-both", action="store_true", help="skip the both-directions-at-once runs")
     ap.add_argument("--cpu-cost", action="store_true")

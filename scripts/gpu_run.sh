@@ -15,8 +15,8 @@
 #               --cpu-cost mode, bench/research/small_pages.py (where a small-page call's time goes),
 #               bench/transfer_matmul.py (copies beside a bf16 matmul)
 #   paths       bench/layouts.py with every copy path forced (each path's limit per layout)
-#   engines     bench/layouts.py --engines: engines' own pools (16-64-token blocks), default path
-#               with 16 and 64 MiB of staging, and the DMA path
+#   engines     bench/layouts.py --engines: engines' own pools (16-64-token blocks), default
+#               options, 16 MiB of staging, and the DMA path
 #   disk        bench/disk_tier.py on the device machine's local disk (write-back, read, one-page
 #               hit beside a host hit, index rebuild), against a raw loop over the same directory
 #   bench-lowlevel  the C++ transfer benchmark (copier against cudaMemcpy variants, pinning) and
@@ -118,13 +118,15 @@ bench)
   cp "$LOGS/bench-matmul.log" "$OUT/bench_matmul.md"
   ;;
 engines)
-  # Engines' own pools (16-, 32-, 64-token blocks of four model shapes): the default path with
-  # 16 and 64 MiB of staging, then every pool on the DMA engines.
-  run bench-engines python3 bench/layouts.py --engines --pages 1024 --reps 3 --staging-mib 16,64 \
-    --json "$OUT/engines.json"
+  # Engines' own pools (16-, 32-, 64-token blocks of four model shapes): the default options,
+  # the default path with 16 MiB of staging (the default before 2026-12-02), then every pool on
+  # the DMA engines.
+  run bench-engines python3 bench/layouts.py --engines --pages 1024 --reps 3 --json "$OUT/engines.json"
+  run bench-engines-16 python3 bench/layouts.py --engines --pages 1024 --reps 3 --staging-mib 16 \
+    --json "$OUT/engines_16.json"
   run bench-engines-dma python3 bench/layouts.py --engines --pages 1024 --reps 3 --paths dma \
     --json "$OUT/engines_dma.json"
-  cat "$LOGS/bench-engines.log" "$LOGS/bench-engines-dma.log" > "$OUT/bench_engines.md"
+  cat "$LOGS"/bench-engines*.log > "$OUT/bench_engines.md"
   ;;
 paths)
   run bench-paths python3 bench/layouts.py --paths dma,staged,kernel --pages 1024 \

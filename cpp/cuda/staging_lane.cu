@@ -6,12 +6,14 @@
 
 namespace hicache::cuda {
 
-StagingPlan::StagingPlan(const PageLayout& layout, std::size_t window_target,
+StagingPlan::StagingPlan(const PageLayout& layout, std::size_t window_most,
                          const SegmentTable& table)
-    : table(table),
-      page_bytes(layout.page_bytes()),
-      pages_per_window(std::max<std::size_t>(1, window_target / layout.page_bytes())),
-      window_bytes((pages_per_window * page_bytes + 255) / 256 * 256) {}
+    : table(table), page_bytes(layout.page_bytes()) {
+  const std::size_t target = std::min(
+      window_most, std::max(kWindowLeast, kWindowPages * static_cast<std::size_t>(page_bytes)));
+  pages_per_window = std::max<std::size_t>(1, target / page_bytes);
+  window_bytes = (pages_per_window * page_bytes + 255) / 256 * 256;
+}
 
 StagingLane::StagingLane(const StagingPlan& plan) : plan_(plan) {
   HICACHE_CUDA_CHECK(cudaMalloc(&buffer_, plan.window_bytes * kWindows));

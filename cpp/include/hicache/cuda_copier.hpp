@@ -27,11 +27,11 @@ struct CudaCopierOptions {
   int max_blocks = 4;
   /// Threads per CTA.
   int threads = 1024;
-  /// Staged path: device memory per (stream, direction), cut into two windows, each at least
-  /// one whole page (so a window is max(staging_bytes / 2, page bytes)). Each stream that
-  /// stores or loads gets its own staging (up to 4 streams a direction, then they share),
-  /// allocated at its first use. 0 disables staging (kAuto then never picks it).
-  std::size_t staging_bytes = std::size_t{16} << 20;
+  /// Staged path: device memory per (stream, direction) at most, cut into two windows of 16
+  /// pages each, within [8 MiB, staging_bytes / 2] and at least one whole page (StagingPlan).
+  /// Each stream that stores or loads gets its own staging (up to 4 streams a direction, then
+  /// they share), allocated at its first use. 0 disables staging (kAuto then never picks it).
+  std::size_t staging_bytes = std::size_t{64} << 20;
 
   /// @throws std::invalid_argument naming the option (by its Python name) if one is out of range.
   void validate() const {
