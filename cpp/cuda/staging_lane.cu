@@ -72,7 +72,11 @@ void StagingLane::dma(Direction dir, std::span<const PageMove> moves, char* wind
 void StagingLane::copy(Direction dir, std::span<const PageMove> moves, int max_blocks,
                        cudaStream_t caller) {
   std::lock_guard<std::mutex> guard(mu_);
-  const std::size_t step = plan_.pages_per_window;
+  // A call of few pages still goes in kCallWindows windows, so that its DMA and its
+  // gathers/scatters overlap (a 16-page call of 4 MiB pages in two windows ran at 0.66).
+  const std::size_t step = std::clamp<std::size_t>(
+      (moves.size() + StagingPlan::kCallWindows - 1) / StagingPlan::kCallWindows, 1,
+      plan_.pages_per_window);
   int last = -1;
   for (std::size_t i0 = 0; i0 < moves.size(); i0 += step) {
     const auto pages = moves.subspan(i0, std::min(moves.size(), i0 + step) - i0);

@@ -55,6 +55,9 @@ struct StagingPlan {
   /// 25-50 pages a window against 0.94-0.97 with 8 MiB (the first window's gather waits longer
   /// before the link starts).
   static constexpr std::size_t kWindowPages = 16;
+  /// A call of fewer pages than this many windows hold is cut into this many windows at least
+  /// (pipelining; see StagingLane::copy).
+  static constexpr std::size_t kCallWindows = 8;
   static constexpr std::size_t kWindowLeast = std::size_t{8} << 20;
 };
 
