@@ -337,6 +337,16 @@ void HostPrefixCache::write_to_tier(Transfer& t) {
 
 std::int64_t HostPrefixCache::retire_completed() {
   std::int64_t n = 0;
+  // The stores retired here reach the tier thread together, as one write (TierLink::run).
+  struct Held {
+    TierLink* link;
+    explicit Held(TierLink* l) : link(l) {
+      if (link) link->hold_offers(true);
+    }
+    ~Held() {
+      if (link) link->hold_offers(false);
+    }
+  } held(link_.get());
   for (auto it = transfers_.begin(); it != transfers_.end();) {
     if (it->open) {  // its store() is still running: it decides whether to publish
       ++it;

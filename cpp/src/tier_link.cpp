@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <deque>
 #include <exception>
+#include <iterator>
 #include <map>
 
 #include "hicache/hash_chain.hpp"
@@ -143,6 +144,14 @@ bool TierLink::offer(std::vector<PutPage>& pages) {
   return true;
 }
 
+void TierLink::hold_offers(bool hold) {
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    holds_ += hold ? 1 : -1;
+  }
+  if (!hold) wake_.notify_one();
+}
+
 bool TierLink::prefetch(FetchJob job) {
   {
     std::lock_guard<std::mutex> g(mu_);
@@ -163,10 +172,20 @@ bool TierLink::drain(Clock::time_point deadline) {
 void TierLink::run() {
   std::unique_lock<std::mutex> g(mu_);
   for (;;) {
-    wake_.wait(g, [&] { return stop_ || !jobs_.empty(); });
+    wake_.wait(g, [&] { return stop_ || (!jobs_.empty() && holds_ == 0); });
     if (jobs_.empty()) return;  // stopping, and everything queued was written
     Job job = std::move(jobs_.front());
     jobs_.pop_front();
+    // Puts queued back to back (a store's installments, the stores a poll retired: offered
+    // under hold_offers) go as one write: a batch a round, not a batch each, one after another.
+    // A 64-page store offered in three installments went as three puts in turn: 0.78-0.84 of
+    // the raw client's one put of the same pages on the 2-core machine.
+    while (!job.fetch && !jobs_.empty() && !jobs_.front().fetch) {
+      auto& more = jobs_.front().puts;
+      job.puts.insert(job.puts.end(), std::make_move_iterator(more.begin()),
+                      std::make_move_iterator(more.end()));
+      jobs_.pop_front();
+    }
     busy_ = true;
     g.unlock();
     if (job.fetch) {

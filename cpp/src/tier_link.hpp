@@ -122,6 +122,9 @@ class TierLink {
   /// Queues pages to write. false if the queue has no room for them (nothing queued: the caller
   /// unpins them; counted as dropped).
   bool offer(std::vector<PutPage>& pages);
+  /// While held (hold_offers(true) until hold_offers(false)), the tier thread takes no write:
+  /// pages offered meanwhile go as one write once released (the stores retired in one pass).
+  void hold_offers(bool hold);
   /// Fetches spec.keys[from..) into host memory (Host::reserve, then publish) in rounds, one in
   /// flight, until a page is missing or wrong, the deadline passes or the keys end.
   void fetch_into(const FetchSpec& spec, std::size_t from, Clock::time_point deadline);
@@ -202,6 +205,7 @@ class TierLink {
   std::int64_t queued_pages_ = 0;
   bool busy_ = false;
   bool stop_ = false;
+  int holds_ = 0;
   CacheStats counters_;  // only the tier_* fields
   std::thread worker_;
 };

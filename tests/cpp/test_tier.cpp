@@ -996,3 +996,32 @@ TEST(Tier, FlushTierGivesUpAtItsTimeoutAndSaysHowManyPagesAreStillOnTheirWay) {
   EXPECT_EQ(a.cache->stats().tier_pages_written, 5);
   EXPECT_EQ(a.cache->stats().tier_pages_queued, 0);
 }
+
+TEST(Tier, AStoreOfferedInInstallmentsGoesToTheTierAsOnePut) {
+  // A 64-page store is hashed and copied in installments (16, 16, 32 pages); the tier thread
+  // takes the installments queued together as one write, so the tier sees one put of 64 values
+  // (one round: the default buffer holds 64 MiB a round), not three puts one after another.
+  class CountingPuts final : public ForwardingTier {
+   public:
+    std::int64_t put(std::span<const std::string> n, std::span<const std::byte* const> v,
+                     std::span<const std::size_t> s) override {
+      sizes.push_back(n.size());
+      return ForwardingTier::put(n, v, s);
+    }
+    std::vector<std::size_t> sizes;
+  };
+  auto tier = std::make_shared<CountingPuts>();
+  std::vector<std::uint8_t> kv(64 * kBlockBytes);
+  for (std::size_t i = 0; i < kv.size(); ++i) kv[i] = static_cast<std::uint8_t>(i * 13 + 1);
+  CacheConfig c;
+  c.block_tokens = kB;
+  c.capacity_pages = 64;
+  c.admission = hicache::Admission::kAlways;
+  HostPrefixCache cache({{kv.data(), 64, kBlockBytes, kBlockBytes}}, hicache::Device{}, c, nullptr,
+                        tier);
+  const auto prompt = tokens(64 * kB + 1, 300);
+  ASSERT_EQ(cache.store("a", prompt, ids(0, 64)), 64);
+  ASSERT_TRUE(cache.flush_tier());
+  EXPECT_EQ(cache.stats().tier_pages_written, 64);
+  EXPECT_EQ(tier->sizes, std::vector<std::size_t>{64});
+}
