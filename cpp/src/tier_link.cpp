@@ -234,7 +234,13 @@ void TierLink::write(std::vector<PutPage>& pages) {
       counters_.tier_last_error = "tier put: " + std::to_string(n - ok) + " pages refused";
     }
   };
-  const Rounds plan = rounds(pages.size());
+  // Rounds of half the buffer let the tier thread sum the next round's pages while one crosses.
+  // Pages whose store already summed them (the CPU copier's) leave nothing to overlap: they go
+  // in rounds of the whole buffer, half as many batches (256 pages of 1 MiB in rounds of 64 were
+  // put at 0.83-0.89 of the raw client's one put on the 2-core machine).
+  const bool summed = std::all_of(pages.begin(), pages.end(),
+                                  [](const PutPage& p) { return p.checksum.has_value(); });
+  const Rounds plan = summed ? Rounds(pages.size(), kRing * round_pages_) : rounds(pages.size());
   for (std::size_t begin = 0, r = 0; begin < pages.size(); begin += plan.size(r), ++r) {
     const std::size_t n = plan.size(r);
     std::vector<std::string> names;

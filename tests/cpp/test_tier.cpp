@@ -385,8 +385,10 @@ class CountingTier final : public ForwardingTier {
 }  // namespace
 
 TEST(Tier, RoundsHoldWholePagesAndAreOfEqualSize) {
-  // A round holds 3 pages (half the buffer, counted in pages, not in values, which are a little
-  // larger): 4 pages go as 2 + 2, not 3 + 1.
+  // A get's round holds 3 pages (half the buffer, counted in pages, not in values, which are a
+  // little larger): 7 pages go as 3 + 2 + 2, not 3 + 3 + 1. A put of pages the store summed
+  // has no summing to overlap with the put before it: its rounds hold the whole buffer, 6 pages
+  // (4 go as one round, 7 as 4 + 3).
   auto tier = std::make_shared<CountingTier>();
   std::vector<std::uint8_t> kv(16 * kBlockBytes, 9);
   CacheConfig c;
@@ -398,10 +400,10 @@ TEST(Tier, RoundsHoldWholePagesAndAreOfEqualSize) {
                         tier);
   ASSERT_EQ(cache.store("a", tokens(4 * kB + 1, 300), ids(0, 5)), 4);
   cache.flush_tier();
-  EXPECT_EQ(tier->put_sizes, (std::vector<std::size_t>{2, 2}));
+  EXPECT_EQ(tier->put_sizes, (std::vector<std::size_t>{4}));
   ASSERT_EQ(cache.store("b", tokens(7 * kB + 1, 900), ids(5, 8)), 7);
   cache.flush_tier();
-  EXPECT_EQ(tier->put_sizes, (std::vector<std::size_t>{2, 2, 3, 2, 2}));  // 7: 3 + 2 + 2
+  EXPECT_EQ(tier->put_sizes, (std::vector<std::size_t>{4, 4, 3}));
   EXPECT_EQ(cache.stats().tier_pages_written, 11);
   // A host that has none of them fetches the 7 the same way.
   std::vector<std::uint8_t> kv_b(16 * kBlockBytes, 0);

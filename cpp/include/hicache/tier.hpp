@@ -85,8 +85,9 @@ struct TierOptions {
   /// Pages waiting to be written to the tier; a store beyond that is dropped (counted).
   std::int64_t queue_pages = 4096;
   /// Values in flight at most, in bytes: puts and gets move half of it at a time (at least one
-  /// page), one batch crossing the network while the next one's records are written (puts) or
-  /// the last one's values checked (gets). Values go straight from and into host slots.
+  /// page), one batch crossing the network while the next one's pages are summed (puts) or the
+  /// last one's values checked (gets); puts of pages their store already summed (the CPU
+  /// copier's) move all of it at a time. Values go straight from and into host slots.
   std::int64_t buffer_bytes = std::int64_t{128} << 20;
   /// Names the model and its KV format in every value's name and record, so caches of other
   /// models or versions sharing the store never read each other's pages. Give each model
