@@ -68,6 +68,25 @@ void advance(std::vector<iovec>& iov, std::size_t& first, std::size_t n) {
   while (first < iov.size() && iov[first].iov_len == 0) ++first;
 }
 
+// Moves every byte of `iov` at `offset` with `op` (preadv or pwritev), in as few requests as the
+// kernel takes (IOV_MAX buffers a request). Returns 0, a negative errno, or -EIO when a request
+// moves nothing (a read past the end of a file cut short).
+int move_all(int fd, std::vector<iovec>& iov, std::uint64_t offset,
+             ssize_t (*op)(int, const iovec*, int, off_t)) {
+  std::size_t first = 0;
+  advance(iov, first, 0);
+  while (first < iov.size()) {
+    const int count = static_cast<int>(std::min<std::size_t>(iov.size() - first, IOV_MAX));
+    const ssize_t n = op(fd, iov.data() + first, count, static_cast<off_t>(offset));
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) return -errno;
+    if (n == 0) return -EIO;
+    offset += static_cast<std::uint64_t>(n);
+    advance(iov, first, static_cast<std::size_t>(n));
+  }
+  return 0;
+}
+
 }  // namespace
 
 NameHash name_hash(std::string_view name) {
@@ -170,33 +189,11 @@ int SegmentFile::write_at(const std::byte* bytes, std::size_t n, std::uint64_t o
 }
 
 int SegmentFile::write_at(std::vector<iovec>& iov, std::uint64_t offset) const {
-  std::size_t first = 0;
-  advance(iov, first, 0);
-  while (first < iov.size()) {
-    const int count = static_cast<int>(std::min<std::size_t>(iov.size() - first, IOV_MAX));
-    const ssize_t w = ::pwritev(fd_, iov.data() + first, count, static_cast<off_t>(offset));
-    if (w < 0 && errno == EINTR) continue;
-    if (w < 0) return -errno;
-    if (w == 0) return -EIO;
-    offset += static_cast<std::uint64_t>(w);
-    advance(iov, first, static_cast<std::size_t>(w));
-  }
-  return 0;
+  return move_all(fd_, iov, offset, ::pwritev);
 }
 
 int SegmentFile::read(std::uint64_t offset, std::vector<iovec>& iov) const {
-  std::size_t first = 0;
-  advance(iov, first, 0);
-  while (first < iov.size()) {
-    const int count = static_cast<int>(std::min<std::size_t>(iov.size() - first, IOV_MAX));
-    const ssize_t r = ::preadv(fd_, iov.data() + first, count, static_cast<off_t>(offset));
-    if (r < 0 && errno == EINTR) continue;
-    if (r < 0) return -errno;
-    if (r == 0) return -EIO;  // the file ends early: truncated under the tier
-    offset += static_cast<std::uint64_t>(r);
-    advance(iov, first, static_cast<std::size_t>(r));
-  }
-  return 0;
+  return move_all(fd_, iov, offset, ::preadv);  // -EIO if the file ends early (truncated)
 }
 
 std::int64_t SegmentFile::append(const std::byte* bytes, std::size_t n) {

@@ -337,16 +337,17 @@ void HostPrefixCache::write_to_tier(Transfer& t) {
 
 std::int64_t HostPrefixCache::retire_completed() {
   std::int64_t n = 0;
-  // The stores retired here reach the tier thread together, as one write (TierLink::run).
+  // The stores retired here reach the tier thread together, as one write (TierLink::run): its
+  // offers are held from the first store retired on (no lock taken on a pass that retires none).
   struct Held {
-    TierLink* link;
-    explicit Held(TierLink* l) : link(l) {
-      if (link) link->hold_offers(true);
+    TierLink* link = nullptr;
+    void take(TierLink* l) {
+      if (link == nullptr && l != nullptr) (link = l)->hold_offers(true);
     }
     ~Held() {
       if (link) link->hold_offers(false);
     }
-  } held(link_.get());
+  } held;
   for (auto it = transfers_.begin(); it != transfers_.end();) {
     if (it->open) {  // its store() is still running: it decides whether to publish
       ++it;
@@ -365,6 +366,7 @@ std::int64_t HostPrefixCache::retire_completed() {
       ++it;
       continue;
     }
+    if (it->is_store) held.take(link_.get());
     finish(*it);
     it = transfers_.erase(it);
     ++n;

@@ -1003,16 +1003,7 @@ TEST(Tier, AStoreOfferedInInstallmentsGoesToTheTierAsOnePut) {
   // A 64-page store is hashed and copied in installments (16, 16, 32 pages); the tier thread
   // takes the installments queued together as one write, so the tier sees one put of 64 values
   // (one round: the default buffer holds 64 MiB a round), not three puts one after another.
-  class CountingPuts final : public ForwardingTier {
-   public:
-    std::int64_t put(std::span<const std::string> n, std::span<const std::byte* const> v,
-                     std::span<const std::size_t> s) override {
-      sizes.push_back(n.size());
-      return ForwardingTier::put(n, v, s);
-    }
-    std::vector<std::size_t> sizes;
-  };
-  auto tier = std::make_shared<CountingPuts>();
+  auto tier = std::make_shared<CountingTier>();
   std::vector<std::uint8_t> kv(64 * kBlockBytes);
   for (std::size_t i = 0; i < kv.size(); ++i) kv[i] = static_cast<std::uint8_t>(i * 13 + 1);
   CacheConfig c;
@@ -1025,5 +1016,5 @@ TEST(Tier, AStoreOfferedInInstallmentsGoesToTheTierAsOnePut) {
   ASSERT_EQ(cache.store("a", prompt, ids(0, 64)), 64);
   ASSERT_TRUE(cache.flush_tier());
   EXPECT_EQ(cache.stats().tier_pages_written, 64);
-  EXPECT_EQ(tier->sizes, std::vector<std::size_t>{64});
+  EXPECT_EQ(tier->put_sizes, std::vector<std::size_t>{64});
 }
