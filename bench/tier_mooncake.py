@@ -18,6 +18,8 @@ Measured side by side in one run, same pages and sizes:
 ``--device cuda`` keeps the engines' KV on the GPU, as an engine's is: a store then copies from
 the GPU into host slots and ``try_resume`` loads into GPU blocks (the time includes waiting for
 that load). The raw client's get of one page is timed too, beside the added latency of a tier hit.
+``--phases`` also splits hicache's put, try_resume and prefetch into the time before the client's
+first call, inside the client's calls, between them, and after the last one (medians, ms).
 
 The link on this kind of machine (two clients over loopback TCP on 2 cores) swings by tens of
 percent from one call to the next, so the table gives medians, with the best in parentheses.
@@ -30,11 +32,39 @@ import os
 import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import numpy as np
 
 import hicache
 from hicache.mooncake import MooncakeTier
+
+
+class TimedTier(MooncakeTier):
+    """A MooncakeTier that notes when each of the client's calls starts and ends (--phases)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.calls: list[tuple[float, float]] = []
+
+    def _call(self, call: str, n: int, *args: Any) -> list[int]:
+        t = time.perf_counter()
+        try:
+            return super()._call(call, n, *args)
+        finally:
+            if call != "batch_is_exist":
+                self.calls.append((t, time.perf_counter()))
+
+
+def phases(tier: TimedTier, t0: float, t1: float) -> tuple[float, float, float, float]:
+    """(before the first client call, inside calls, between them, after the last), seconds."""
+    inside = [(a, b) for a, b in tier.calls if a >= t0 and b <= t1]
+    tier.calls.clear()
+    if not inside:
+        return (t1 - t0, 0.0, 0.0, 0.0)
+    busy = sum(b - a for a, b in inside)
+    first, last = inside[0][0], max(b for _, b in inside)
+    return (first - t0, busy, (last - first) - busy, t1 - last)
 
 
 def main() -> None:
@@ -45,13 +75,14 @@ def main() -> None:
     ap.add_argument("--page-kib", type=int, default=1024)
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the engines' KV lives")
+    ap.add_argument("--phases", action="store_true", help="also split hicache's calls (see above)")
     args = ap.parse_args()
     B, page, n = 16, args.page_kib << 10, args.pages
     # Each client lends enough for every value of every repetition (raw and hicache's, twice over):
     # a full store refuses puts and later reads miss.
     seg = max(16, 2 * args.reps + 2) * n * (page + 4096)
-    ta = MooncakeTier(args.master, args.metadata, segment_bytes=seg)
-    tb = MooncakeTier(args.master, args.metadata, segment_bytes=seg)
+    ta = TimedTier(args.master, args.metadata, segment_bytes=seg)
+    tb = TimedTier(args.master, args.metadata, segment_bytes=seg)
     rng = np.random.default_rng(0)
     kv_a = rng.integers(0, 256, (n, page), dtype=np.uint8)
     kv_b = np.zeros_like(kv_a)
@@ -135,6 +166,7 @@ def main() -> None:
         a.poll()
         a.flush_tier()
         hc_put = time.perf_counter() - t
+        put_phases = phases(ta, t, t + hc_put)
         assert a.stats().tier_pages_written == written + n, a.stats().tier_last_error
         kv_b[:] = 0
         sync()
@@ -142,12 +174,14 @@ def main() -> None:
         served = b.try_resume(f"b{rep}", prompt, lambda k: list(range(k // B)))
         sync()  # the load into the engine's blocks is part of the hit
         hc_get = time.perf_counter() - t
+        get_phases = phases(tb, t, t + hc_get)
         assert served == n * B and same(kv_a, kv_b), (served, b.stats().tier_last_error)
         fetched = d.stats().tier_pages_fetched
         t = time.perf_counter()
         assert d.try_resume(f"d{rep}", prompt, lambda k: list(range(k // B))) == 0
         d.flush_tier()
         hc_fetch = time.perf_counter() - t
+        fetch_phases = phases(tb, t, t + hc_fetch)
         assert d.stats().tier_pages_fetched == fetched + n, d.stats().tier_last_error
         # Added latency of a tier hit for one page, against a host hit of the same page.
         one = prompt[: B + 1] + 7
@@ -174,8 +208,11 @@ def main() -> None:
                 gb / hc_fetch,
                 raw_one * 1e6,
                 gb / raw_get_load,
+                (put_phases, get_phases, fetch_phases),
             )
         )
+        ta.calls.clear()
+        tb.calls.clear()
     del a, b, c, d
     print(
         f"{n} pages of {args.page_kib} KiB, TCP on loopback, two clients, KV on the {args.device}; "
@@ -205,6 +242,12 @@ def main() -> None:
         f"(median {statistics.median(r[4] for r in rows):.0f}); the raw client's get of one page: "
         f"{min(r[6] for r in rows):.0f} us (median {statistics.median(r[6] for r in rows):.0f})"
     )
+    if args.phases:
+        print("\n| ms, median | before the first client call | in its calls | between them | after them |")
+        print("| --- | --- | --- | --- | --- |")
+        for k, name in enumerate(["put", "try_resume", "prefetch"]):
+            cols = [statistics.median(r[8][k][j] for r in rows) * 1e3 for j in range(4)]
+            print(f"| {name} | " + " | ".join(f"{c:.2f}" for c in cols) + " |")
     ta.close()
     tb.close()
 

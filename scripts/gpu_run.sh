@@ -17,6 +17,12 @@
 #   paths       bench/layouts.py with every copy path forced (each path's limit per layout)
 #   engines     bench/layouts.py --engines: engines' own pools (16-64-token blocks), default
 #               options, 16 MiB of staging, and the DMA path
+#   mooncake    bench/tier_mooncake.py against a mooncake_master on 127.0.0.1 (the client's wheel
+#               from .deps, see scripts/fetch_gpu_deps.sh): KV on the GPU, then on the CPU
+#   mooncake-shapes  bench/research/mooncake_shapes.py there: the raw client with hicache's value
+#               shapes, one difference at a time
+#   staging     the layout grid at 1024 pages a call with 16 and with 64 MiB of staging, point
+#               by point (the staging-window rule's A/B)
 #   disk        bench/disk_tier.py on the device machine's local disk (write-back, read, one-page
 #               hit beside a host hit, index rebuild), against a raw loop over the same directory
 #   bench-lowlevel  the C++ transfer benchmark (copier against cudaMemcpy variants, pinning) and
@@ -132,6 +138,37 @@ paths)
   run bench-paths python3 bench/layouts.py --paths dma,staged,kernel --pages 1024 \
     --max-batch 536870912 --reps 2 --no-both --json "$OUT/paths.json"
   cp "$LOGS/bench-paths.log" "$OUT/bench_paths.md"
+  ;;
+mooncake|mooncake-shapes)
+  python3 -c "import mooncake.store" 2>/dev/null ||
+    run mooncake-install python3 -m pip install -q --no-deps .deps/mooncake_transfer_engine_non_cuda-*.whl
+  master=$(python3 -c "import mooncake, os; print(os.path.join(os.path.dirname(mooncake.__file__), 'mooncake_master'))")
+  rpc=$((20000 + RANDOM % 20000)); http=$((rpc + 1))
+  "$master" -rpc_address 127.0.0.1 -rpc_port $rpc -enable_http_metadata_server=true \
+    -http_metadata_server_host 127.0.0.1 -http_metadata_server_port $http >"$LOGS/mooncake-master.log" 2>&1 &
+  master_pid=$!; sleep 2
+  where="--master 127.0.0.1:$rpc --metadata http://127.0.0.1:$http/metadata"
+  if [ $step = mooncake-shapes ]; then
+    for shape in "64 1024" "256 1024" "32 8192"; do
+      set -- $shape
+      run bench-mooncake-shapes-$1x$2 python3 bench/research/mooncake_shapes.py $where --pages $1 --page-kib $2
+    done
+    cat "$LOGS"/bench-mooncake-shapes-*.log | grep -v '^[IWE][0-9]' > "$OUT/bench_mooncake_shapes.md"
+  else
+    for dev in cuda cpu; do
+      for shape in "64 1024" "256 1024" "32 8192"; do
+        set -- $shape
+        run bench-mooncake-$dev-$1x$2 python3 bench/tier_mooncake.py $where --pages $1 --page-kib $2 \
+          --reps ${MOONCAKE_REPS:-15} --device $dev --phases
+      done
+    done
+    cat "$LOGS"/bench-mooncake-{cuda,cpu}-*.log | grep -v '^[IWE][0-9]' > "$OUT/bench_mooncake.md"
+  fi
+  kill $master_pid; wait $master_pid 2>/dev/null
+  ;;
+staging)
+  run bench-staging python3 bench/layouts.py --pages 1024 --reps 3 --staging-mib 16,64 --json "$OUT/staging.json"
+  cp "$LOGS/bench-staging.log" "$OUT/bench_staging.md"
   ;;
 disk)
   run bench-disk python3 bench/disk_tier.py --dir /tmp/hicache-disk-bench --total-mib 2048 --reps 3

@@ -1,5 +1,3 @@
-#include <sys/mman.h>
-
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -7,6 +5,7 @@
 #include <thread>
 #include <vector>
 
+#include "../src/huge_pages.hpp"
 #include "cuda_check.cuh"
 #include "pinned_allocator.hpp"
 
@@ -33,46 +32,26 @@ class RegisteredPinned final : public HostAllocator {
       : threads_(threads > 0 ? threads : std::max(1u, std::thread::hardware_concurrency())) {}
 
   void* allocate(std::size_t bytes) override {
-    char* p = map_huge_aligned(bytes);
+    // Huge pages (huge_pages.hpp): faulting the pool in and registering it usually take half the
+    // time (copy rates unchanged, BENCHMARKS.md).
+    char* p = static_cast<char*>(detail::map_huge_aligned(bytes));
     prefault(p, bytes);
     const cudaError_t err =
         cudaHostRegister(p, bytes, cudaHostRegisterPortable | cudaHostRegisterMapped);
     if (err != cudaSuccess) {
-      munmap(p, bytes);
+      detail::unmap_huge_aligned(p, bytes);
       throw_cuda_error(err, "cudaHostRegister", __FILE__, __LINE__);
     }
     return p;
   }
   void deallocate(void* p, std::size_t bytes) noexcept override {
     cudaHostUnregister(p);
-    munmap(p, bytes);
+    detail::unmap_huge_aligned(p, bytes);
   }
   const char* name() const override { return "mmap+cudaHostRegister"; }
   bool allocation_is_slow() const override { return true; }
 
  private:
-  // Anonymous memory at a 2 MiB boundary, asking for transparent huge pages: faulting the pool
-  // in and registering it usually take half the time (an H200 host, 8 GiB: 11.6-12.9 GB/s with
-  // 4 KiB pages, 18-25 with huge pages, once 9.8; copy rates unchanged, BENCHMARKS.md). Where the
-  // kernel keeps THP off, madvise is refused or ignored and the pool has 4 KiB pages, as before.
-  static char* map_huge_aligned(std::size_t bytes) {
-    constexpr std::size_t kHuge = std::size_t{2} << 20;
-    void* raw =
-        mmap(nullptr, bytes + kHuge, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    if (raw == MAP_FAILED) {
-      throw Error("mmap of " + std::to_string(bytes) + " bytes for the pinned pool failed");
-    }
-    const auto base = reinterpret_cast<std::uintptr_t>(raw);
-    const std::uintptr_t aligned = (base + kHuge - 1) & ~(kHuge - 1);
-    // Give back what lies before the boundary and after the pool (together, the extra 2 MiB).
-    if (aligned > base) munmap(raw, aligned - base);
-    const std::uintptr_t tail = base + kHuge - aligned;
-    munmap(reinterpret_cast<void*>(aligned + bytes), tail);  // never empty: aligned < base + kHuge
-    char* p = reinterpret_cast<char*>(aligned);
-    madvise(p, bytes, MADV_HUGEPAGE);  // best effort: 4 KiB pages where refused
-    return p;
-  }
-
   void prefault(char* p, std::size_t bytes) const {
     constexpr std::size_t kPage = 4096;
     const std::size_t n = std::min<std::size_t>(threads_, std::max<std::size_t>(1, bytes >> 26));

@@ -10,6 +10,7 @@
 
 #include "hicache/error.hpp"
 #include "hicache/host_memory.hpp"
+#include "huge_pages.hpp"
 
 namespace hicache {
 namespace {
@@ -18,14 +19,20 @@ namespace {
 // alignment a slot can be given by its stride alone.
 constexpr std::size_t kPage = 4096;
 
+// Chunks of a huge page and more are mapped on huge pages (huge_pages.hpp), smaller ones come
+// from aligned_alloc.
 class AlignedHostAllocator final : public HostAllocator {
  public:
   void* allocate(std::size_t bytes) override {
+    if (bytes >= detail::kHugePage) return detail::map_huge_aligned(bytes);
     void* p = std::aligned_alloc(kPage, (bytes + kPage - 1) / kPage * kPage);
     if (p == nullptr) throw Error("host allocation of " + std::to_string(bytes) + " bytes failed");
     return p;
   }
-  void deallocate(void* p, std::size_t) noexcept override { std::free(p); }
+  void deallocate(void* p, std::size_t bytes) noexcept override {
+    if (bytes >= detail::kHugePage) return detail::unmap_huge_aligned(p, bytes);
+    std::free(p);
+  }
   const char* name() const override { return "aligned"; }
 };
 

@@ -119,13 +119,14 @@ void run_shares(std::size_t shares, const std::function<void(std::size_t)>& shar
   for (std::size_t t = 0; t < shares; ++t) share(t);
 }
 
-std::size_t page_threads(std::size_t n, std::size_t page_bytes, std::size_t bytes_per_thread) {
+std::size_t page_threads(std::size_t n, std::size_t page_bytes, std::size_t bytes_per_thread,
+                         std::size_t max_threads) {
   const std::size_t by_bytes = n * page_bytes / bytes_per_thread;
   if (by_bytes <= 1) return 1;
   // Asked once: each call is a system call (glibc's get_nprocs).
   static const auto cores =
       static_cast<std::size_t>(std::max(1u, std::thread::hardware_concurrency()));
-  return std::min({by_bytes, cores, static_cast<std::size_t>(kMaxPageThreads), n});
+  return std::min({by_bytes, cores, max_threads, n});
 }
 
 }  // namespace hicache::detail

@@ -102,7 +102,7 @@ TierLink::TierLink(std::shared_ptr<TierGate> gate, TierOptions options, Key spac
       block_tokens_(block_tokens),
       value_bytes_(tier_value_bytes(block_tokens, page_bytes)),
       // Pages, not values: a value is a page and its record (a few hundred bytes), so half of
-      // 128 MiB holds 64 values of 1 MiB pages, not 63 (see Rounds).
+      // 128 MiB holds 64 values of 1 MiB pages, not 63 (see plan_rounds).
       round_pages_(std::max<std::size_t>(
           1, static_cast<std::size_t>(options_.buffer_bytes) / kRing / page_bytes_)),
       check_on_load_(check_on_load),
@@ -240,9 +240,11 @@ void TierLink::write(std::vector<PutPage>& pages) {
   // put at 0.83-0.89 of the raw client's one put on the 2-core machine).
   const bool summed = std::all_of(pages.begin(), pages.end(),
                                   [](const PutPage& p) { return p.checksum.has_value(); });
-  const Rounds plan = summed ? Rounds(pages.size(), kRing * round_pages_) : rounds(pages.size());
-  for (std::size_t begin = 0, r = 0; begin < pages.size(); begin += plan.size(r), ++r) {
-    const std::size_t n = plan.size(r);
+  const std::vector<std::size_t> plan =
+      summed ? plan_rounds(pages.size(), kRing * round_pages_, Edge::kNone)
+             : plan_rounds(pages.size(), round_pages_, Edge::kFirst);
+  for (std::size_t begin = 0, r = 0; r < plan.size(); begin += plan[r], ++r) {
+    const std::size_t n = plan[r];
     std::vector<std::string> names;
     std::vector<const std::byte*> values;
     std::vector<std::size_t> sizes(n, value_bytes_);
@@ -253,11 +255,15 @@ void TierLink::write(std::vector<PutPage>& pages) {
       values.push_back(p.slot);
       round.entries.push_back(p.entry);
     }
-    detail::for_each_page(n, page_bytes_, [&](std::size_t j) {
-      const PutPage& p = pages[begin + j];
-      const std::uint64_t sum = p.checksum ? *p.checksum : page_checksum({p.slot, page_bytes_});
-      write_tier_record(p.slot + page_bytes_, space_, p.key, p.parent, p.tokens, page_bytes_, sum);
-    });
+    detail::for_each_page(
+        n, page_bytes_,
+        [&](std::size_t j) {
+          const PutPage& p = pages[begin + j];
+          const std::uint64_t sum = p.checksum ? *p.checksum : page_checksum({p.slot, page_bytes_});
+          write_tier_record(p.slot + page_bytes_, space_, p.key, p.parent, p.tokens, page_bytes_,
+                            sum);
+        },
+        detail::kTierBytesPerThread, detail::kTierPageThreads);
     for (; !flying.empty(); flying.pop_front()) land(flying.front());
     try {
       std::lock_guard<std::mutex> t(tier_mu_);
@@ -275,12 +281,20 @@ void TierLink::write(std::vector<PutPage>& pages) {
   for (Round& r : flying) land(r);
 }
 
-TierLink::Rounds::Rounds(std::size_t pages, std::size_t most)
-    : count(std::max<std::size_t>(1, (pages + most - 1) / most)),
-      base(pages / count),
-      extra(pages % count) {}
-
-TierLink::Rounds TierLink::rounds(std::size_t pages) const { return {pages, round_pages_}; }
+std::vector<std::size_t> TierLink::plan_rounds(std::size_t pages, std::size_t most, Edge edge) {
+  // A round of at least kEdgeShare pages only: below that the batch it adds costs more than the
+  // pass over a page or two saves.
+  const std::size_t full = std::min(pages, most);
+  const std::size_t lead = edge == Edge::kNone || full < kEdgeShare ? 0 : full / kEdgeShare;
+  const std::size_t body = pages - lead;
+  const std::size_t count = std::max<std::size_t>(1, (body + most - 1) / most);
+  std::vector<std::size_t> sizes;
+  if (edge == Edge::kFirst && lead > 0) sizes.push_back(lead);
+  for (std::size_t r = 0; r < count; ++r)
+    sizes.push_back(body / count + (r < body % count ? 1 : 0));
+  if (edge == Edge::kLast && lead > 0) sizes.push_back(lead);
+  return sizes;
+}
 
 void TierLink::prefetch_now(FetchJob& job) {
   // The keys the lookup had (its cached pages'), then the rest.
@@ -296,7 +310,8 @@ void TierLink::fetch_into(const FetchSpec& spec, std::size_t from, Clock::time_p
     return;
   }
   if (from >= spec.keys.size()) return;
-  const Rounds plan = rounds(spec.keys.size() - from);
+  const std::vector<std::size_t> plan = plan_rounds(spec.keys.size() - from, round_pages_,
+                                                    check_on_load_ ? Edge::kNone : Edge::kLast);
   // Rounds in flight behind the one being landed (Tier::gets_in_flight): each hangs under the
   // ones before it, still pending, and crosses while those are checked.
   const std::size_t depth = std::max<std::size_t>(1, tier_->gets_in_flight());
@@ -304,10 +319,10 @@ void TierLink::fetch_into(const FetchSpec& spec, std::size_t from, Clock::time_p
   std::size_t r = 0, next_from = from;
   bool more = true;  // no round fell short or failed to be placed yet
   auto submit_next = [&] {
-    if (!more || r >= plan.count || next_from >= spec.keys.size()) return false;
+    if (!more || r >= plan.size() || next_from >= spec.keys.size()) return false;
     std::vector<Slot> pending;
     for (const Round& f : flying) pending.insert(pending.end(), f.slots.begin(), f.slots.end());
-    std::optional<Round> round = submit_round(spec, next_from, plan.size(r++), pending);
+    std::optional<Round> round = submit_round(spec, next_from, plan[r++], pending);
     if (!round) return more = false;
     next_from = round->from + round->slots.size();
     if (round->slots.size() != round->asked) more = false;  // the prefix ends in it
@@ -392,28 +407,31 @@ bool TierLink::land_round(const FetchSpec& spec, Round& round, Clock::time_point
   std::vector<std::string> why(fetched.size());
   if (results.size() == fetched.size()) {
     // Records only (check_on_load): too little work for threads.
-    detail::for_each_page(fetched.size(), check_on_load_ ? 0 : page_bytes_, [&](std::size_t k) {
-      const std::int64_t x = results[k];
-      if (x < 0) {
-        verdict[k] = x == Tier::kMissing ? kMissing : kFailed;
-        return;
-      }
-      const std::size_t i = round.from + fetched[k];
-      const TierPage page = check_tier_record(
-          {round.slots[fetched[k]].bytes, static_cast<std::size_t>(x)}, space_, spec.keys[i],
-          i == 0 ? root : spec.keys[i - 1], spec.prompt.subspan(i * B, B), page_bytes_, why[k]);
-      if (page.bytes.empty()) {
-        verdict[k] = kRejected;
-      } else if (check_on_load_) {
-        round.slots[fetched[k]].unchecked = page.checksum;
-        verdict[k] = kGood;
-      } else if (page_checksum(page.bytes) != page.checksum) {
-        why[k] = "page bytes do not match their checksum (overwritten or torn)";
-        verdict[k] = kRejected;
-      } else {
-        verdict[k] = kGood;
-      }
-    });
+    detail::for_each_page(
+        fetched.size(), check_on_load_ ? 0 : page_bytes_,
+        [&](std::size_t k) {
+          const std::int64_t x = results[k];
+          if (x < 0) {
+            verdict[k] = x == Tier::kMissing ? kMissing : kFailed;
+            return;
+          }
+          const std::size_t i = round.from + fetched[k];
+          const TierPage page = check_tier_record(
+              {round.slots[fetched[k]].bytes, static_cast<std::size_t>(x)}, space_, spec.keys[i],
+              i == 0 ? root : spec.keys[i - 1], spec.prompt.subspan(i * B, B), page_bytes_, why[k]);
+          if (page.bytes.empty()) {
+            verdict[k] = kRejected;
+          } else if (check_on_load_) {
+            round.slots[fetched[k]].unchecked = page.checksum;
+            verdict[k] = kGood;
+          } else if (page_checksum(page.bytes) != page.checksum) {
+            why[k] = "page bytes do not match their checksum (overwritten or torn)";
+            verdict[k] = kRejected;
+          } else {
+            verdict[k] = kGood;
+          }
+        },
+        detail::kTierBytesPerThread, detail::kTierPageThreads);
   }
   const auto good = static_cast<std::size_t>(
       std::find_if(verdict.begin(), verdict.end(), [](char v) { return v != kGood; }) -

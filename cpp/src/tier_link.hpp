@@ -149,17 +149,19 @@ class TierLink {
   void run();
   void write(std::vector<PutPage>& pages);
   void prefetch_now(FetchJob& job);
-  // How a put or get of `pages` splits into rounds of at most round_pages_: as few as that
-  // allows, sizes differing by at most one, never a lone small round beside a full one (64 pages
-  // of 1 MiB went as 63 + 1 when a round held 64 MiB of values, a page and its record each).
+  // How a put or get of `pages` splits into rounds of at most `most`: as few as that allows,
+  // sizes differing by at most one, never a lone small round beside a full one (64 pages of
+  // 1 MiB went as 63 + 1 when a round held 64 MiB of values, a page and its record each).
   // Splitting 64 pages into two rounds so that the first one's checks overlap the second's
   // transfer measured worse on an H200 host (the two gets at once took 10.8 ms, one 8.3 ms).
-  struct Rounds {
-    Rounds(std::size_t pages, std::size_t most);
-    std::size_t size(std::size_t r) const { return base + (r < extra ? 1 : 0); }
-    std::size_t count, base, extra;
-  };
-  Rounds rounds(std::size_t pages) const;
+  // Where the tier thread passes over every page of a round (a put of pages their store did not
+  // sum; a get of pages checked on arrival), an edge round of 1/kEdgeShare of a full one (of
+  // kEdgeShare pages or more) goes first (the put starts once that much is summed, the rest is
+  // summed while it crosses) or last (only that much is checked after the last get, the rest
+  // while it crosses; one get in flight at a time still), at the cost of one more batch.
+  enum class Edge { kNone, kFirst, kLast };
+  static constexpr std::size_t kEdgeShare = 8;
+  static std::vector<std::size_t> plan_rounds(std::size_t pages, std::size_t most, Edge edge);
   // Polls a batch until it completed, or until `deadline` (then nullopt).
   std::optional<std::vector<std::int64_t>> wait(std::int64_t batch, Clock::time_point deadline);
   // Abandons the late gets that completed (get_mu_ held); true if none is left.

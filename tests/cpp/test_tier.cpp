@@ -1018,3 +1018,46 @@ TEST(Tier, AStoreOfferedInInstallmentsGoesToTheTierAsOnePut) {
   EXPECT_EQ(cache.stats().tier_pages_written, 64);
   EXPECT_EQ(tier->put_sizes, std::vector<std::size_t>{64});
 }
+
+TEST(Tier, PagesTheTierThreadPassesOverGoInASmallEdgeRound) {
+  // Rounds of 8 pages. Where the CPU copier cannot sum pages (a segment of 1000 bytes: the
+  // checksum's blocks are 1 KiB), the tier thread sums a put's pages and checks a get's: a
+  // 12-page put starts with a round of 1 page (8 / kEdgeShare) before the rest (6 + 5), and a
+  // 12-page get ends with one (6 + 5 + 1), so that little of the pass waits beside no transfer.
+  // The control: the same pages in segments of 1 KiB, which the copier sums (a put of the whole
+  // buffer at once) and whose loads check them (gets in equal rounds).
+  for (const bool summable : {false, true}) {
+    SCOPED_TRACE(summable ? "segments of 1 KiB (the control)" : "a segment of 1000 bytes");
+    const std::int64_t first = summable ? 1024 : 1000, page = 2048;
+    auto tier = std::make_shared<CountingTier>();
+    std::vector<std::uint8_t> kv(16 * page), kv_b(16 * page, 0);
+    for (std::size_t i = 0; i < kv.size(); ++i) kv[i] = static_cast<std::uint8_t>(i * 7 + 3);
+    auto segments = [&](std::vector<std::uint8_t>& v) {
+      return std::vector<hicache::Segment>{{v.data(), 16, page, first},
+                                           {v.data() + first, 16, page, page - first}};
+    };
+    CacheConfig c;
+    c.block_tokens = kB;
+    c.capacity_pages = 16;
+    c.admission = hicache::Admission::kAlways;
+    c.tier.buffer_bytes = 2 * 8 * page;
+    HostPrefixCache a(segments(kv), hicache::Device{}, c, nullptr, tier);
+    const auto prompt = tokens(12 * kB + 1, 500);
+    ASSERT_EQ(a.store("a", prompt, ids(0, 12)), 12);
+    ASSERT_TRUE(a.flush_tier());
+    EXPECT_EQ(a.stats().tier_pages_written, 12);
+    const std::vector<std::size_t> puts =
+        summable ? std::vector<std::size_t>{12} : std::vector<std::size_t>{1, 6, 5};
+    EXPECT_EQ(tier->put_sizes, puts);
+    HostPrefixCache b(segments(kv_b), hicache::Device{}, c, nullptr, tier);
+    EXPECT_EQ(b.try_resume("b", prompt,
+                           [](std::int64_t n) {
+                             return std::optional<std::vector<std::int64_t>>(ids(0, n / kB));
+                           }),
+              12 * kB);
+    const std::vector<std::size_t> gets =
+        summable ? std::vector<std::size_t>{6, 6} : std::vector<std::size_t>{6, 5, 1};
+    EXPECT_EQ(tier->get_sizes, gets);
+    EXPECT_TRUE(std::equal(kv_b.begin(), kv_b.begin() + 12 * page, kv.begin()));
+  }
+}
