@@ -269,3 +269,25 @@ TEST(HostPool, SlotsTakeATiersAlignmentOnlyWhereItCostsLittle) {
       hicache::HostPool(4096, 8, 1 << 20, memory, hicache::HostPool::Growth::kOnDemand, 3000),
       std::invalid_argument);
 }
+
+TEST(HostPool, TheAlignedAllocatorMapsLargeChunksOnHugePageBoundaries) {
+  // Chunks of 2 MiB and more start at a 2 MiB boundary, asked to be on huge pages (whether the
+  // kernel gives them is its choice: not asserted), zeroed and writable to their last byte;
+  // smaller ones keep 4 KiB alignment. (aligned_alloc's large chunks, the allocator before,
+  // fail the first check here.)
+  auto alloc = hicache::make_aligned_host_allocator();
+  constexpr std::size_t kHuge = std::size_t{2} << 20;
+  for (const std::size_t bytes : {kHuge, 3 * kHuge + 4096 + 17}) {
+    auto* p = static_cast<unsigned char*>(alloc->allocate(bytes));
+    EXPECT_EQ(reinterpret_cast<std::uintptr_t>(p) % kHuge, 0u) << bytes;
+    EXPECT_EQ(p[0], 0);
+    EXPECT_EQ(p[bytes - 1], 0);
+    for (std::size_t i = 0; i < bytes; i += 4096) p[i] = 1;
+    p[bytes - 1] = 1;
+    alloc->deallocate(p, bytes);
+  }
+  auto* small = static_cast<unsigned char*>(alloc->allocate(10000));
+  EXPECT_EQ(reinterpret_cast<std::uintptr_t>(small) % 4096, 0u);
+  small[9999] = 1;
+  alloc->deallocate(small, 10000);
+}

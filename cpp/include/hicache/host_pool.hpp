@@ -56,7 +56,8 @@ class HostAllocator {
   virtual std::string memory_report() const;
 };
 
-/// Page-aligned memory from the C++ runtime.
+/// Page-aligned memory: chunks of 2 MiB and more mapped on transparent huge pages where the kernel
+/// gives them (madvise), smaller ones from the C++ runtime's aligned_alloc.
 std::shared_ptr<HostAllocator> make_aligned_host_allocator();
 
 class HostPool {
