@@ -282,6 +282,7 @@ void TierLink::write(std::vector<PutPage>& pages) {
 }
 
 std::vector<std::size_t> TierLink::plan_rounds(std::size_t pages, std::size_t most, Edge edge) {
+  if (pages == 0) return {};
   // A round of at least kEdgeShare pages only: below that the batch it adds costs more than the
   // pass over a page or two saves.
   const std::size_t full = std::min(pages, most);
