@@ -65,12 +65,9 @@ def main() -> None:
     times: dict[str, list[tuple[float, float]]] = {k: [] for k in variants}
     for rep in range(args.reps):
         for name, (size, step, long_names, backend) in variants.items():
-            tag = f"{name[:12]}/{rep}"
-            names = [
-                (f"hicache/v1/default/{rep:08x}{i:024x}{'0' * 32}" if long_names else f"{tag}/{i}")
-                + ("" if not long_names else name[:4])
-                for i in range(n)
-            ]
+            # Unique per variant and repetition; hicache's are as long as tier_value_name's.
+            tag = f"hicache/v1/default/{name[:4]}{rep:08x}" if long_names else f"{name[:12]}/{rep}/"
+            names = [f"{tag}{i:024x}{'0' * 32}" if long_names else f"{tag}{i}" for i in range(n)]
             ps = [src.ctypes.data + i * step for i in range(n)]
             gs = [dst.ctypes.data + i * step for i in range(n)]
             t = time.perf_counter()
