@@ -334,12 +334,14 @@ def run_grid(args: argparse.Namespace) -> None:
                 torch.cuda.empty_cache()
 
 
-def engine_points() -> list[tuple[str, int, int, int]]:
-    """(model, block tokens, chunk bytes, segments) of every engine pool of --engines."""
+def engine_points(blocks: list[int] | None = None) -> list[tuple[str, int, int, int]]:
+    """(model, block tokens, chunk bytes, segments) of every engine pool of --engines (of these
+    block sizes only, if given)."""
     return [
         (model, tokens, tokens * per_token, nseg)
         for model, (nseg, per_token) in ENGINE_SHAPES.items()
         for tokens in ENGINE_BLOCKS
+        if not blocks or tokens in blocks
     ]
 
 
@@ -358,7 +360,7 @@ def run_engines(args: argparse.Namespace) -> None:
     )
     print("| --- " * 11 + "|", flush=True)
     results = []
-    for model, tokens, chunk, nseg in engine_points():
+    for model, tokens, chunk, nseg in engine_points(args.blocks):
         pages = pages_for(chunk * nseg, args.pages[0], args.max_batch)
         for path, mib in [(pa, m) for pa in args.paths for m in (args.staging_mib or [None])]:
             try:
@@ -514,6 +516,7 @@ def main() -> None:
     ap.add_argument("--no-both", action="store_true", help="skip the both-directions-at-once runs")
     ap.add_argument("--cpu-cost", action="store_true")
     ap.add_argument("--engines", action="store_true", help="engines' pools (16-64-token blocks), no grid")
+    ap.add_argument("--blocks", type=ints, default=[], help="with --engines: these block sizes only (tokens)")
     ap.add_argument("--mover", action="store_true", help="also time SlotMover's copy of the same pages")
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     ap.add_argument("--report", default="", help="print BENCHMARKS.md's table from a --json file, and stop")

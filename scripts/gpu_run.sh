@@ -19,10 +19,14 @@
 #               options, 16 MiB of staging, and the DMA path
 #   mooncake    bench/tier_mooncake.py against a mooncake_master on 127.0.0.1 (the client's wheel
 #               from .deps, see scripts/fetch_gpu_deps.sh): KV on the GPU, then on the CPU
-#   mooncake-shapes  bench/research/mooncake_shapes.py there: the raw client with hicache's value
-#               shapes, one difference at a time
+#   mooncake-shapes  bench/research/mooncake_shapes.py --memory there: the raw client with
+#               hicache's value shapes and host memory, one difference at a time; the NUMA layout
 #   staging     the layout grid at 1024 pages a call with 16 and with 64 MiB of staging, point
 #               by point (the staging-window rule's A/B)
+#   ab          $AB_CMD over two wheels in turn: this tree's and this tree with $AB_BASE's files
+#               (as they were before a change) put back
+#   call-profile  bench/research/call_profile.py: the CUDA calls a store and a load of ~1000
+#               small-block pages make, and how long the calls take to return
 #   disk        bench/disk_tier.py on the device machine's local disk (write-back, read, one-page
 #               hit beside a host hit, index rebuild), against a raw loop over the same directory
 #   bench-lowlevel  the C++ transfer benchmark (copier against cudaMemcpy variants, pinning) and
@@ -149,9 +153,12 @@ mooncake|mooncake-shapes)
   master_pid=$!; sleep 2
   where="--master 127.0.0.1:$rpc --metadata http://127.0.0.1:$http/metadata"
   if [ $step = mooncake-shapes ]; then
-    for shape in "64 1024" "256 1024" "32 8192"; do
+    { lscpu | grep -i -E 'numa|socket|model name'; cat /sys/devices/system/node/node*/cpulist; } \
+      >"$OUT/numa.txt" 2>&1
+    for shape in "64 1024" "32 8192"; do
       set -- $shape
-      run bench-mooncake-shapes-$1x$2 python3 bench/research/mooncake_shapes.py $where --pages $1 --page-kib $2
+      run bench-mooncake-shapes-$1x$2 python3 bench/research/mooncake_shapes.py $where --pages $1 \
+        --page-kib $2 --memory
     done
     cat "$LOGS"/bench-mooncake-shapes-*.log | grep -v '^[IWE][0-9]' > "$OUT/bench_mooncake_shapes.md"
   else
@@ -169,6 +176,34 @@ mooncake|mooncake-shapes)
 staging)
   run bench-staging python3 bench/layouts.py --pages 1024 --reps 3 --staging-mib 16,64 --json "$OUT/staging.json"
   cp "$LOGS/bench-staging.log" "$OUT/bench_staging.md"
+  ;;
+ab)
+  # Two builds side by side in one run: this tree's wheel, and the wheel of this tree with the
+  # files under $AB_BASE (the same relative paths, as they were before a change) put back; then
+  # $AB_CMD on each in turn, base first, $AB_ROUNDS times (default 1). Logs ab-$AB_NAME-base-N
+  # and ab-$AB_NAME-new-N. The wheels are built once a call: later ab steps of the same call
+  # (other AB_NAME and AB_CMD) reuse them.
+  : "${AB_BASE:?a directory of the files before the change}" "${AB_CMD:?the command to compare}"
+  if ! ls /tmp/ab/new/*.whl /tmp/ab/base/*.whl >/dev/null 2>&1; then
+    rm -rf /tmp/ab && mkdir -p /tmp/ab/new /tmp/ab/base /tmp/ab/tree
+    cuda90=--config-settings=cmake.define.CMAKE_CUDA_ARCHITECTURES=90
+    run ab-wheel-new python3 -m pip wheel -q --no-build-isolation --no-deps $cuda90 \
+      --config-settings=build-dir=build/gpu-wheel -w /tmp/ab/new .
+    tar --exclude=./build --exclude=./.deps -cf - . | tar -xf - -C /tmp/ab/tree
+    cp -a "$AB_BASE"/. /tmp/ab/tree/
+    run ab-wheel-base bash -c "cd /tmp/ab/tree && python3 -m pip wheel -q --no-build-isolation \
+      --no-deps $cuda90 --config-settings=build-dir=/tmp/ab/tree-build -w /tmp/ab/base ."
+  fi
+  for r in $(seq ${AB_ROUNDS:-1}); do
+    for v in base new; do
+      python3 -m pip install -q --no-deps --force-reinstall /tmp/ab/$v/*.whl
+      run ab-${AB_NAME:-cmd}-$v-$r bash -c "$AB_CMD"
+    done
+  done
+  ;;
+call-profile)
+  run bench-call-profile python3 bench/research/call_profile.py
+  grep -v -E '^(STAGE|USDT|\[W)' "$LOGS/bench-call-profile.log" > "$OUT/bench_call_profile.md"
   ;;
 disk)
   run bench-disk python3 bench/disk_tier.py --dir /tmp/hicache-disk-bench --total-mib 2048 --reps 3

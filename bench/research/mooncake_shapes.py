@@ -9,6 +9,12 @@ through MooncakeTier's own put / get / wait / poll, interleaved repetition by re
 clients on loopback as in tier_mooncake.py (A puts, B gets). Each row: the median GB/s and the
 median of each repetition's ratio to the first row.
 
+`--memory` adds rows of the raw client over buffers in other memory than numpy's: anonymous
+mmap on 2 MiB pages touched on one thread, the same touched on every core (how hicache's pinned
+allocator faults its pool in), and that registered with CUDA (`cudaHostRegister`, portable and
+mapped, as hicache's GPU pools are; needs torch with CUDA). It prints the NUMA nodes each buffer
+landed on (/proc/self/numa_maps).
+
     python bench/research/mooncake_shapes.py --master 127.0.0.1:50051 \\
         --metadata http://127.0.0.1:8080/metadata --pages 64 --page-kib 1024
 """
@@ -16,13 +22,49 @@ median of each repetition's ratio to the first row.
 from __future__ import annotations
 
 import argparse
+import ctypes
+import mmap
+import os
 import statistics
+import threading
 import time
 from collections.abc import Callable
 
 import numpy as np
 
 from hicache.mooncake import MooncakeTier
+
+HUGE = 2 << 20
+
+
+def mapped(nbytes: int, threads: int) -> tuple[np.ndarray, mmap.mmap]:
+    """nbytes of anonymous memory on 2 MiB pages, its pages first touched on `threads` threads."""
+    m = mmap.mmap(-1, nbytes + HUGE)
+    base = ctypes.addressof(ctypes.c_char.from_buffer(m))
+    skip = -base % HUGE
+    m.madvise(mmap.MADV_HUGEPAGE)
+    per = (nbytes // threads + HUGE - 1) // HUGE * HUGE
+
+    def touch(t: int) -> None:  # ctypes releases the GIL: the threads fault in parallel
+        begin = t * per
+        if begin < nbytes:
+            ctypes.memset(base + skip + begin, 0, min(per, nbytes - begin))
+
+    pool = [threading.Thread(target=touch, args=(t,)) for t in range(threads)]
+    for th in pool:
+        th.start()
+    for th in pool:
+        th.join()
+    return np.frombuffer(m, np.uint8, nbytes, skip), m
+
+
+def numa_nodes(addr: int) -> str:
+    """The N<node>=<pages> fields of the numa_maps line of the mapping holding addr."""
+    with open("/proc/self/numa_maps") as f:
+        maps = [line.split() for line in f]
+    below = [m for m in maps if int(m[0], 16) <= addr]
+    fields = max(below, key=lambda m: int(m[0], 16)) if below else []
+    return " ".join(x for x in fields if x.startswith("N")) or "?"
 
 
 def main() -> None:
@@ -33,25 +75,54 @@ def main() -> None:
     ap.add_argument("--page-kib", type=int, default=1024)
     ap.add_argument("--record-bytes", type=int, default=192, help="a 16-token block's record")
     ap.add_argument("--reps", type=int, default=15)
+    ap.add_argument("--memory", action="store_true", help="also the raw client over other memory")
     args = ap.parse_args()
     n, page = args.pages, args.page_kib << 10
     value = page + args.record_bytes
     stride = (value + 255) // 256 * 256
-    variants = {  # name: (value bytes, stride, long names, through the backend)
-        "raw: pages back to back": (page, page, False, False),
-        "pages at a slot's stride": (page, stride, False, False),
-        "page + record at a slot's stride": (value, stride, False, False),
-        "the same, hicache's names": (value, stride, True, False),
-        "the same, through MooncakeTier": (value, stride, True, True),
+    variants = {  # name: (value bytes, stride, long names, through the backend, memory)
+        "raw: pages back to back": (page, page, False, False, "numpy"),
+        "pages at a slot's stride": (page, stride, False, False, "numpy"),
+        "page + record at a slot's stride": (value, stride, False, False, "numpy"),
+        "the same, hicache's names": (value, stride, True, False, "numpy"),
+        "the same, through MooncakeTier": (value, stride, True, True, "numpy"),
     }
+    if args.memory:
+        variants |= {
+            "raw, 2 MiB pages touched on one thread": (page, page, False, False, "huge1"),
+            "raw, 2 MiB pages touched on every core": (page, page, False, False, "huge"),
+            "raw, the same registered with CUDA": (page, page, False, False, "pinned"),
+        }
     seg = (len(variants) * args.reps + 4) * n * (stride + 4096)
     ta = MooncakeTier(args.master, args.metadata, segment_bytes=seg)
     tb = MooncakeTier(args.master, args.metadata, segment_bytes=seg)
     rng = np.random.default_rng(0)
-    src = rng.integers(0, 256, n * stride, dtype=np.uint8)
-    dst = np.zeros_like(src)
-    ta.use_memory(src.ctypes.data, src.nbytes)
-    tb.use_memory(dst.ctypes.data, dst.nbytes)
+    data = rng.integers(0, 256, n * stride, dtype=np.uint8)
+    keep: list[object] = []  # the mappings behind the buffers
+
+    def buffer(memory: str) -> np.ndarray:
+        if memory == "numpy":
+            return np.zeros_like(data)
+        buf, m = mapped(data.nbytes, 1 if memory == "huge1" else os.cpu_count() or 1)
+        keep.append(m)
+        if memory == "pinned":
+            import torch
+
+            err = torch.cuda.cudart().cudaHostRegister(buf.ctypes.data, buf.nbytes, 3)
+            assert int(err) == 0, f"cudaHostRegister: {err}"
+        return buf
+
+    memories = {v[4] for v in variants.values()}
+    bufs: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+    for memory in sorted(memories):
+        src, dst = buffer(memory), buffer(memory)
+        src[:] = data
+        ta.use_memory(src.ctypes.data, src.nbytes)
+        tb.use_memory(dst.ctypes.data, dst.nbytes)
+        bufs[memory] = (src, dst)
+        if args.memory:
+            print(f"{memory}: src {numa_nodes(src.ctypes.data)}; dst {numa_nodes(dst.ctypes.data)}")
+    src = bufs["numpy"][0]
     for w in range(2 * seg // (n * stride) - 1):  # touch the segments once (see tier_mooncake.py)
         ta._store.batch_upsert_from([f"warm/{w}/{i}" for i in range(n)], [src.ctypes.data] * n, [page] * n)
     ta._store.remove_all()
@@ -64,9 +135,10 @@ def main() -> None:
 
     times: dict[str, list[tuple[float, float]]] = {k: [] for k in variants}
     for rep in range(args.reps):
-        for name, (size, step, long_names, backend) in variants.items():
+        for k, (name, (size, step, long_names, backend, memory)) in enumerate(variants.items()):
+            src, dst = bufs[memory]
             # Unique per variant and repetition; hicache's are as long as tier_value_name's.
-            tag = f"hicache/v1/default/{name[:4]}{rep:08x}" if long_names else f"{name[:12]}/{rep}/"
+            tag = f"hicache/v1/default/{k:04x}{rep:08x}" if long_names else f"v{k}/{rep}/"
             names = [f"{tag}{i:024x}{'0' * 32}" if long_names else f"{tag}{i}" for i in range(n)]
             ps = [src.ctypes.data + i * step for i in range(n)]
             gs = [dst.ctypes.data + i * step for i in range(n)]

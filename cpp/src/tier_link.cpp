@@ -234,15 +234,17 @@ void TierLink::write(std::vector<PutPage>& pages) {
       counters_.tier_last_error = "tier put: " + std::to_string(n - ok) + " pages refused";
     }
   };
-  // Rounds of half the buffer let the tier thread sum the next round's pages while one crosses.
-  // Pages whose store already summed them (the CPU copier's) leave nothing to overlap: they go
-  // in rounds of the whole buffer, half as many batches (256 pages of 1 MiB in rounds of 64 were
-  // put at 0.83-0.89 of the raw client's one put on the 2-core machine).
-  const bool summed = std::all_of(pages.begin(), pages.end(),
-                                  [](const PutPage& p) { return p.checksum.has_value(); });
+  // Rounds of the whole buffer, the first one whole too, whether the store summed the pages (the
+  // CPU copier's) or this thread sums them as it goes (a GPU cache's): one round is summed while
+  // the one before it crosses. Each batch costs the client a fixed time of its own (a one-page
+  // get of 1 MiB takes 0.7-1.0 ms on an H200 host, 64 of them 10 ms), which a small first round
+  // paid for one more batch: a GPU cache's put of 64 x 1 MiB in rounds of 8 + 56 spent 15.4 ms
+  // in the client's calls, against 11.0 ms as one round summed on 16 threads first (1.1 ms); the
+  // put of 64 x 1 MiB, 256 x 1 MiB and 32 x 8 MiB went from 0.73 / 0.90 / 0.72 of the raw
+  // client's to 0.93 / 0.92 / 0.95 (BENCHMARKS.md). 256 pages of 1 MiB in rounds of 64 were put
+  // at 0.83-0.89 of the raw client's one put on the 2-core machine.
   const std::vector<std::size_t> plan =
-      summed ? plan_rounds(pages.size(), kRing * round_pages_, Edge::kNone)
-             : plan_rounds(pages.size(), round_pages_, Edge::kFirst);
+      plan_rounds(pages.size(), kRing * round_pages_, Edge::kNone);
   for (std::size_t begin = 0, r = 0; r < plan.size(); begin += plan[r], ++r) {
     const std::size_t n = plan[r];
     std::vector<std::string> names;
@@ -290,7 +292,6 @@ std::vector<std::size_t> TierLink::plan_rounds(std::size_t pages, std::size_t mo
   const std::size_t body = pages - lead;
   const std::size_t count = std::max<std::size_t>(1, (body + most - 1) / most);
   std::vector<std::size_t> sizes;
-  if (edge == Edge::kFirst && lead > 0) sizes.push_back(lead);
   for (std::size_t r = 0; r < count; ++r)
     sizes.push_back(body / count + (r < body % count ? 1 : 0));
   if (edge == Edge::kLast && lead > 0) sizes.push_back(lead);
