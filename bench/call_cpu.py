@@ -3,7 +3,7 @@
 free slots, and into a full pool, evicting as many pages) and of a cached one. Best of N. Runs
 on any machine (no GPU needed).
 
-    python3 bench/call_cpu.py [--pages 1024] [--reps 15]
+    python3 bench/call_cpu.py [--pages 1024] [--reps 15] [--block-tokens 128]
 
 Calls of a few pages take tens of microseconds: give them more repetitions (``--pages 16 --reps
 200``) on a machine with other work on it.
@@ -19,8 +19,6 @@ import torch
 
 import hicache
 
-B = 128  # tokens per page
-
 
 def best(fn: Callable[[], object], reps: int) -> float:
     times = []
@@ -35,8 +33,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--pages", type=int, default=1024)
     ap.add_argument("--reps", type=int, default=15, help="calls of each kind, the best counts")
+    ap.add_argument("--block-tokens", type=int, default=128, help="tokens a page (engines use 16-64)")
     args = ap.parse_args()
-    pages, reps = args.pages, args.reps
+    pages, reps, B = args.pages, args.reps, args.block_tokens
     prompt = torch.arange(pages * B + 1, dtype=torch.int32) + 77
     segs = [torch.empty(2 * pages + 1, 256, dtype=torch.uint8)]
     cache = hicache.HostPrefixCache(

@@ -29,8 +29,9 @@
 #               small-block pages make, and how long the calls take to return
 #   disk        bench/disk_tier.py on the device machine's local disk (write-back, read, one-page
 #               hit beside a host hit, index rebuild), against a raw loop over the same directory
-#   bench-lowlevel  the C++ transfer benchmark (copier against cudaMemcpy variants, pinning) and
-#               what submitting DMA pieces costs (bench/research/dma_submit.cu)
+#   bench-lowlevel  the C++ transfer benchmark (copier against cudaMemcpy variants, pinning),
+#               what submitting DMA pieces costs (bench/research/dma_submit.cu) and what each
+#               CUDA call of a staging window costs (bench/research/window_calls.cu)
 #   demo        hicache demo with a Llama-3-8B-shaped model, 8K-26K-token conversations
 #   layerwise   bench/layerwise.py: convoys (a 1K-token load beside a 100K-token one) and the
 #               load-or-recompute decision on a throttled link
@@ -216,6 +217,8 @@ bench-lowlevel)
   run bench-transfer build/gpu/hicache_bench_transfer --pool-gib ${POOL_GIB:-32} --out "$OUT/bench_transfer.md"
   run bench-dma-submit build/gpu/hicache_bench_dma_submit
   cp "$LOGS/bench-dma-submit.log" "$OUT/bench_dma_submit.md"
+  run bench-window-calls build/gpu/hicache_bench_window_calls
+  cp "$LOGS/bench-window-calls.log" "$OUT/bench_window_calls.md"
   ;;
 demo)
   # 2048-token prefill chunks: block-sized ones make the prefill so slow that the load hardly

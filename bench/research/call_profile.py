@@ -81,11 +81,14 @@ def profile_pool(model: str, tokens: int, chunk: int, nseg: int, pages: int) -> 
         null.store(f"x{n[0]}", prompts[n[0]], p.sources)
 
     def null_load() -> None:
-        null.try_resume("r", prompts[0], lambda k: p.targets[: k // tokens])
+        got = null.try_resume("r", prompts[0], lambda k: p.targets[: k // tokens])
         null.forget("r")
+        if got != pages * tokens:
+            raise SystemExit(f"the null copier's load found {got} of {pages * tokens} tokens")
 
-    nst = returns(null_store, lambda: None)
+    # The load first: the stores after it fill the pool and evict the prompt it loads.
     nld = returns(null_load, lambda: None)
+    nst = returns(null_store, lambda: None)
     p.sync()
     prompt = p.fresh()
     calls = {"store": runtime_calls(lambda: p.store(prompt, p.s1))}
