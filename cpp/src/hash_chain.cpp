@@ -148,10 +148,19 @@ std::uint64_t ChainHasher::keys_hashed() {
   return keys_hashed_total.load(std::memory_order_relaxed);
 }
 
-void ChainHasher::extend(std::vector<Key>& keys, std::int64_t upto) {
+void ChainHasher::extend(std::vector<Key>& keys, std::int64_t upto,
+                         std::atomic<std::size_t>* published) {
   const std::size_t n = std::min(limit_, static_cast<std::size_t>(std::max<std::int64_t>(0, upto)));
   if (n > keys.size()) keys_hashed_total.fetch_add(n - keys.size(), std::memory_order_relaxed);
   keys.reserve(n);
+  // Published every key (a release store costs a plain store here), waiters woken every
+  // kWakeEvery keys and at the end (a wake is a system call where one waits).
+  constexpr std::size_t kWakeEvery = 16;
+  const auto publish = [&] {
+    if (published == nullptr) return;
+    published->store(keys.size(), std::memory_order_release);
+    if (keys.size() % kWakeEvery == 0 || keys.size() == n) published->notify_all();
+  };
   while (keys.size() < n) {
     const std::size_t i = keys.size();
     const bool ahead = i >= mids_first_ && i < mids_first_ + mids_.size();
@@ -170,6 +179,52 @@ void ChainHasher::extend(std::vector<Key>& keys, std::int64_t upto) {
     }
     keys.push_back(finish(h, i == 0 ? salt_ : std::span<const std::uint8_t>(keys.back().bytes)));
     if (key_bits_ < 128) truncate_key(keys.back(), key_bits_);
+    publish();
+  }
+}
+
+ChainAhead::ChainAhead(ChainHasher& hasher, const std::vector<Key>& keys) : hasher_(hasher) {
+  if (hasher.limit() < keys.size() + kLeast) return;
+  ahead_.reserve(hasher.limit());
+  ahead_.assign(keys.begin(), keys.end());
+  keys_ = ahead_.data();
+  published_.store(ahead_.size(), std::memory_order_relaxed);
+  running_ = task_.start([this] {
+    try {
+      // In doubling installments, as the store's own: each one's token blocks are hashed ahead
+      // (on the page threads) before its keys, so the first keys come before the last pages'
+      // blocks are hashed.
+      for (std::size_t upto = ahead_.size(); upto < hasher_.limit();) {
+        upto = std::min(hasher_.limit(), std::max<std::size_t>(2 * upto, upto + 16));
+        hasher_.extend(ahead_, static_cast<std::int64_t>(upto), &published_);
+      }
+    } catch (...) {  // (an allocation): wake the caller, whose wait() rethrows it
+      published_.store(kFailed, std::memory_order_release);
+      published_.notify_all();
+      throw;
+    }
+  });
+  started_ = running_;
+}
+
+void ChainAhead::extend(std::vector<Key>& keys, std::int64_t least, std::int64_t upto) {
+  if (!running_) return hasher_.extend(keys, upto);
+  const std::size_t n =
+      std::min(hasher_.limit(), static_cast<std::size_t>(std::max<std::int64_t>(0, least)));
+  std::size_t ready = published_.load(std::memory_order_acquire);
+  while (ready < n) {
+    published_.wait(ready, std::memory_order_acquire);
+    ready = published_.load(std::memory_order_acquire);
+  }
+  if (ready == kFailed) {
+    running_ = false;
+    task_.wait();  // rethrows
+  }
+  if (ready > keys.size()) keys.insert(keys.end(), keys_ + keys.size(), keys_ + ready);
+  if (ready ==
+      hasher_.limit()) {  // the whole chain: the background is done with it (or about to be)
+    running_ = false;
+    task_.wait();
   }
 }
 

@@ -691,8 +691,9 @@ std::int64_t HostPrefixCache::store(std::string_view request_id,
   const std::string_view chain_salt = salt.value_or(std::string_view(config_.salt));
   // The prompt's cached pages are found by content, as a lookup finds them (walk_by_content):
   // their keys are their entries'. The rest is hashed, admitted and copied in installments (the
-  // cached pages and 16 more, then as many again as the store has so far), so the first copies
-  // run while the rest of a long prompt is hashed: a 1024-page prompt's chain takes 0.5-1 ms, as
+  // cached pages and 16 more, then what the background thread hashed meanwhile, or as many
+  // again as the store has so far where it hashes on its own), so the first copies run while
+  // the rest of a long prompt is hashed: a 1024-page prompt's chain takes 0.5-1 ms, as
   // long as the copy of 1024 pages of ~64 KiB (on an H200, 1024-page stores of 0.5-1 MiB pages
   // went from 0.78-0.89 of one contiguous copy to 0.91-0.98). Under the lock: the chain's
   // cached pages, unpinned between walks, must stay where the walk found them, and the
@@ -712,6 +713,9 @@ std::int64_t HostPrefixCache::store(std::string_view request_id,
   detail::ChainHasher hasher(chain_salt, tokens, B, n_full, config_.key_bits);
   hasher.extend(
       keys, std::min<std::int64_t>(n_full, static_cast<std::int64_t>(keys.size()) + kFirstKeys));
+  // The rest of a long prompt's chain is hashed on the background thread while this one walks
+  // and copies the pages it has keys for (chain_hasher.hpp).
+  detail::ChainAhead ahead(hasher, keys);
   admission_.observe(keys);
 
   // Transfers of this call stay open (never retired, so never published) until it returns; if
@@ -730,7 +734,7 @@ std::int64_t HostPrefixCache::store(std::string_view request_id,
   auto observe_rest = [&] {
     const std::size_t seen = keys.size();
     if (static_cast<std::int64_t>(seen) == n_full) return;
-    hasher.extend(keys, n_full);
+    ahead.extend(keys, n_full, n_full);
     admission_.observe_more(std::span<const Key>(keys).subspan(seen));
   };
   std::int64_t new_pages = 0;
@@ -782,7 +786,8 @@ std::int64_t HostPrefixCache::store(std::string_view request_id,
     }
     if (w.stop != StoreWalk::Stop::kEnd || static_cast<std::int64_t>(keys.size()) == n_full) break;
     const std::size_t seen = keys.size();
-    hasher.extend(keys, std::min<std::int64_t>(n_full, 2 * static_cast<std::int64_t>(seen)));
+    ahead.extend(keys, static_cast<std::int64_t>(seen) + kFirstKeys,
+                 std::min<std::int64_t>(n_full, 2 * static_cast<std::int64_t>(seen)));
     admission_.observe_more(std::span<const Key>(keys).subspan(seen));
   }
   observe_rest();

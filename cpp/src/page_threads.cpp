@@ -112,7 +112,92 @@ Pool& pool() {
   return *p;
 }
 
+// The background thread: parked until a task is handed to it; one owner (a BackgroundTask) at a
+// time, from start() until its wait(). Never destroyed, as the pool.
+class Background {
+ public:
+  bool try_start(std::function<void()>& task) {
+    if (::getpid() != owner_) return false;
+    std::lock_guard<std::mutex> g(mu_);
+    if (owned_) return false;
+    if (!thread_.joinable()) {
+      try {
+        thread_ = std::thread([this] { loop(); });
+      } catch (const std::system_error&) {
+        return false;
+      }
+    }
+    task_ = std::move(task);
+    owned_ = true;
+    done_ = false;
+    failure_ = nullptr;
+    wake_.notify_one();
+    return true;
+  }
+
+  std::exception_ptr wait() {
+    std::unique_lock<std::mutex> g(mu_);
+    finished_.wait(g, [&] { return done_; });
+    owned_ = false;
+    return std::exchange(failure_, nullptr);
+  }
+
+ private:
+  void loop() {
+    std::unique_lock<std::mutex> g(mu_);
+    for (;;) {
+      wake_.wait(g, [&] { return task_ != nullptr; });
+      std::function<void()> task = std::exchange(task_, nullptr);
+      g.unlock();
+      std::exception_ptr failure;
+      try {
+        task();
+      } catch (...) {
+        failure = std::current_exception();
+      }
+      task = nullptr;  // what it holds goes before its owner is told it ran
+      g.lock();
+      failure_ = failure;
+      done_ = true;
+      finished_.notify_all();
+    }
+  }
+
+  std::mutex mu_;
+  std::condition_variable wake_, finished_;
+  std::thread thread_;
+  pid_t owner_ = ::getpid();
+  std::function<void()> task_;  // handed over, not taken yet
+  bool owned_ = false;          // a BackgroundTask holds the thread (start to wait)
+  bool done_ = false;
+  std::exception_ptr failure_;
+};
+
+Background& background() {
+  static Background* b = new Background;
+  return *b;
+}
+
 }  // namespace
+
+BackgroundTask::~BackgroundTask() {
+  try {
+    wait();
+  } catch (...) {  // the owner's own error (if any) is the one that matters now
+  }
+}
+
+bool BackgroundTask::start(std::function<void()> task) {
+  if (started_) return false;
+  started_ = background().try_start(task);
+  return started_;
+}
+
+void BackgroundTask::wait() {
+  if (!started_) return;
+  started_ = false;
+  if (std::exception_ptr failure = background().wait()) std::rethrow_exception(failure);
+}
 
 void run_shares(std::size_t shares, const std::function<void(std::size_t)>& share) {
   if (shares > 1 && pool().try_run(shares, share)) return;

@@ -31,6 +31,28 @@ inline constexpr unsigned kTierPageThreads = 16;
 /// (a helper never lets it escape its thread).
 void run_shares(std::size_t shares, const std::function<void(std::size_t)>& share);
 
+/// One task on the process's background thread while the caller goes on with other work (a
+/// long store's chain keys are hashed there while the store walks and copies its first pages).
+/// One task at a time in the process: start() starts nothing, and returns false, while another
+/// task runs, in a forked child, or where no thread can be had; the caller then does the work
+/// itself. The thread is started at first use and parked between tasks.
+class BackgroundTask {
+ public:
+  BackgroundTask() = default;
+  /// Waits for the task, if one was started (an exception it threw is dropped here).
+  ~BackgroundTask();
+  BackgroundTask(const BackgroundTask&) = delete;
+  BackgroundTask& operator=(const BackgroundTask&) = delete;
+  /// Starts task() on the background thread; false if it is not free (nothing started).
+  bool start(std::function<void()> task);
+  /// Returns once the started task has run, rethrowing what it threw; at once if none was
+  /// started or it was waited for already.
+  void wait();
+
+ private:
+  bool started_ = false;
+};
+
 /// How many threads a pass over n pages of page_bytes each should use (1: the calling thread):
 /// a thread per bytes_per_thread, at most max_threads and the host's cores.
 std::size_t page_threads(std::size_t n, std::size_t page_bytes, std::size_t bytes_per_thread,

@@ -256,6 +256,62 @@ TEST(HashChain, InstallmentsOfALookupGiveTheSameKeys) {
   }
 }
 
+// A store's chain hashed on the background thread (ChainAhead) gives the page-by-page keys
+// however the store asks for them (a few more at a time, everything at once, the keys it has
+// when it asks), with or without a salt and truncated keys; where the background thread is taken
+// (a second store at the same time) it hashes on the caller's thread, to the same keys.
+TEST(HashChain, KeysHashedAheadOnTheBackgroundThreadAreTheChainsKeys) {
+  const auto t = iota_tokens(16 * 3000 + 7);
+  for (const std::string salt : {"", "s"}) {
+    for (int bits : {128, 12}) {
+      const auto expect = hicache::chain_keys(salt, t, 16, 3000, bits);
+      for (std::int64_t step : {1, 16, 700, 3000}) {
+        hicache::detail::ChainHasher hasher(salt, t, 16, 3000, bits);
+        std::vector<hicache::Key> keys;
+        hasher.extend(keys, 16);
+        hicache::detail::ChainAhead ahead(hasher, keys);
+        EXPECT_TRUE(ahead.started());  // the background thread was free
+        // A second chain while the first one has the background thread: on this thread.
+        hicache::detail::ChainHasher other(salt, t, 16, 3000, bits);
+        std::vector<hicache::Key> other_keys;
+        other.extend(other_keys, 16);
+        hicache::detail::ChainAhead second(other, other_keys);
+        second.extend(other_keys, 3000, 3000);
+        EXPECT_EQ(other_keys, expect) << salt << bits;
+        while (keys.size() < expect.size()) {
+          const std::size_t had = keys.size();
+          ahead.extend(keys, static_cast<std::int64_t>(had) + step,
+                       static_cast<std::int64_t>(had) + step);
+          ASSERT_GE(keys.size(), std::min(expect.size(), had + static_cast<std::size_t>(step)));
+        }
+        ahead.extend(keys, 3005, 3005);  // nothing past the limit
+        EXPECT_EQ(keys, expect) << salt << " " << bits << " " << step;
+      }
+    }
+  }
+  // From no keys at all (a chain the caller has not begun).
+  {
+    const auto expect = hicache::chain_keys("", t, 16, 3000);
+    hicache::detail::ChainHasher hasher("", t, 16, 3000, 128);
+    std::vector<hicache::Key> keys;
+    hicache::detail::ChainAhead ahead(hasher, keys);
+    EXPECT_TRUE(ahead.started());
+    ahead.extend(keys, 3000, 3000);
+    EXPECT_EQ(keys, expect);
+  }
+  // A short chain is not worth the hand-over: hashed here, as before.
+  const auto short_expect = hicache::chain_keys("", t, 16, 40);
+  hicache::detail::ChainHasher hasher("", t, 16, 40, 128);
+  std::vector<hicache::Key> keys;
+  hasher.extend(keys, 16);
+  hicache::detail::ChainAhead ahead(hasher, keys);
+  EXPECT_FALSE(ahead.started());
+  ahead.extend(keys, 20, 32);
+  EXPECT_EQ(keys.size(), 32u);  // not running: ChainHasher::extend up to `upto`
+  ahead.extend(keys, 40, 40);
+  EXPECT_EQ(keys, short_expect);
+}
+
 TEST(HashChain, TruncatedKeysKeepTheLeadingBitsAndSeedTheNextKey) {
   const auto t = iota_tokens(256);
   const auto weak = hicache::chain_keys("", t, 128, INT64_MAX, 12);

@@ -116,3 +116,39 @@ TEST(PageThreads, AChildForkedDuringPassesRunsItsOwn) {
   busy.join();
   EXPECT_EQ(hung_or_wrong, 0);
 }
+
+// The background thread runs a task while its caller goes on, one task at a time: a second
+// start() while the first task runs starts nothing (the caller then does that work itself), and
+// a task's exception reaches its owner's wait(), after which the thread takes the next task.
+TEST(PageThreads, ABackgroundTaskRunsBesideItsCallerOneAtATime) {
+  std::atomic<bool> release{false};
+  std::atomic<bool> ran_elsewhere{false};
+  const auto caller = std::this_thread::get_id();
+  hicache::detail::BackgroundTask first;
+  ASSERT_TRUE(first.start([&] {
+    ran_elsewhere = std::this_thread::get_id() != caller;
+    const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+    while (!release && std::chrono::steady_clock::now() < until) std::this_thread::yield();
+  }));
+  {
+    hicache::detail::BackgroundTask second;
+    bool second_ran = false;
+    EXPECT_FALSE(second.start([&] { second_ran = true; }));  // the thread is first's
+    second.wait();                                           // nothing started: returns at once
+    EXPECT_FALSE(second_ran);
+  }
+  release = true;
+  first.wait();
+  EXPECT_TRUE(ran_elsewhere);  // the task ran on another thread while this one went on
+
+  hicache::detail::BackgroundTask failing;
+  ASSERT_TRUE(failing.start([] { throw std::runtime_error("task failed"); }));
+  EXPECT_THROW(failing.wait(), std::runtime_error);
+  failing.wait();  // waited for already: nothing more to report
+
+  hicache::detail::BackgroundTask after;  // the thread is free again
+  int value = 0;
+  ASSERT_TRUE(after.start([&] { value = 7; }));
+  after.wait();
+  EXPECT_EQ(value, 7);
+}
