@@ -194,8 +194,9 @@ ChainAhead::ChainAhead(ChainHasher& hasher, const std::vector<Key>& keys) : hash
       // In doubling installments, as the store's own: each one's token blocks are hashed ahead
       // (on the page threads) before its keys, so the first keys come before the last pages'
       // blocks are hashed.
+      constexpr std::size_t kLeastInstallment = 16;
       for (std::size_t upto = ahead_.size(); upto < hasher_.limit();) {
-        upto = std::min(hasher_.limit(), std::max<std::size_t>(2 * upto, upto + 16));
+        upto = std::min(hasher_.limit(), std::max(2 * upto, upto + kLeastInstallment));
         hasher_.extend(ahead_, static_cast<std::int64_t>(upto), &published_);
       }
     } catch (...) {  // (an allocation): wake the caller, whose wait() rethrows it
@@ -216,16 +217,13 @@ void ChainAhead::extend(std::vector<Key>& keys, std::int64_t least, std::int64_t
     published_.wait(ready, std::memory_order_acquire);
     ready = published_.load(std::memory_order_acquire);
   }
-  if (ready == kFailed) {
-    running_ = false;
-    task_.wait();  // rethrows
-  }
-  if (ready > keys.size()) keys.insert(keys.end(), keys_ + keys.size(), keys_ + ready);
-  if (ready ==
-      hasher_.limit()) {  // the whole chain: the background is done with it (or about to be)
+  // The whole chain published (the background is done with it, or about to be) or a failure:
+  // the task is waited for, and a failure rethrown, before any key is taken.
+  if (ready == kFailed || ready == hasher_.limit()) {
     running_ = false;
     task_.wait();
   }
+  if (ready > keys.size()) keys.insert(keys.end(), keys_ + keys.size(), keys_ + ready);
 }
 
 }  // namespace detail
