@@ -1,4 +1,5 @@
 #include <algorithm>
+#include <functional>
 
 #include "cuda_check.cuh"
 #include "dma_batch.hpp"
@@ -79,7 +80,15 @@ void StagingLane::copy(Direction dir, std::span<const PageMove> moves, int max_b
       plan_.pages_per_window);
   int last = -1;
   for (std::size_t i0 = 0; i0 < moves.size(); i0 += step) {
-    const auto pages = moves.subspan(i0, std::min(moves.size(), i0 + step) - i0);
+    // A window's pages go in host-address order: a store into a full pool takes the slots its
+    // eviction freed, an old chain's leaf first, so its pages' slots are adjacent but may run
+    // backwards; in order, they join into one DMA piece (each piece costs ~0.4 us of CPU,
+    // bench/research/window_calls.cu).
+    ordered_.assign(moves.begin() + static_cast<std::ptrdiff_t>(i0),
+                    moves.begin() + static_cast<std::ptrdiff_t>(std::min(moves.size(), i0 + step)));
+    std::sort(ordered_.begin(), ordered_.end(),
+              [](const PageMove& a, const PageMove& b) { return std::less<>{}(a.host, b.host); });
+    const std::span<const PageMove> pages = ordered_;
     const int w = next_;
     next_ = (next_ + 1) % kWindows;
     last = w;

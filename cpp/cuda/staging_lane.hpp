@@ -86,6 +86,7 @@ class StagingLane {
   cudaStream_t stream_ = nullptr;                    // DMA
   std::array<cudaEvent_t, kWindows> dma_done_{};     // per window: its last DMA
   std::array<cudaEvent_t, kWindows> kernel_done_{};  // per window: its last gather or scatter
+  std::vector<PageMove> ordered_;                    // scratch: a window's moves by host address
   std::vector<PageMove> staged_;                     // scratch: moves rewritten to window addresses
   std::vector<void*> src_, dst_;                     // scratch: DMA pieces
   std::vector<std::size_t> sizes_;

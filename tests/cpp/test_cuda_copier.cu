@@ -112,17 +112,28 @@ hicache::HostPool host_slots(const hicache::PageLayout& layout, hicache::Copier&
   return hicache::HostPool(layout.page_bytes(), n, std::size_t{64} << 20, copier.host_allocator());
 }
 
-// Copier-level round trip with host slots in random order (so staged DMA pieces are not
-// adjacent) and some adjacent (so they merge): pages of blocks [0, n) go to host slots, are
-// checked there byte for byte, then come back into blocks [n, 2n) in another order.
+// How a round trip's pages map to host slots.
+enum class Slots {
+  kShuffled,   // random order (staged DMA pieces are not adjacent), the first two adjacent
+  kBackwards,  // page i in slot 2n-1-i, as a store into slots an eviction freed leaf first:
+               // adjacent in memory but in reverse (a window sorts them into one piece)
+};
+
+// Copier-level round trip: pages of blocks [0, n) go to host slots, are checked there byte for
+// byte, then come back into blocks [n, 2n) in another order.
 void expect_copier_round_trip(DevicePool& pool, hicache::CudaCopierOptions opt, std::int64_t n,
-                              cudaStream_t store_stream, cudaStream_t load_stream) {
+                              cudaStream_t store_stream, cudaStream_t load_stream,
+                              Slots order = Slots::kShuffled) {
   hicache::PageLayout layout(pool.segments(), kGpu);
   auto copier = bound_copier(layout, opt);
   auto host = host_slots(layout, *copier, 2 * n);
   std::vector<std::int64_t> slot(static_cast<std::size_t>(2 * n));
   for (std::size_t i = 0; i < slot.size(); ++i) slot[i] = static_cast<std::int64_t>(i);
-  std::shuffle(slot.begin() + 2, slot.end(), std::mt19937(7));  // first two stay adjacent
+  if (order == Slots::kShuffled) {
+    std::shuffle(slot.begin() + 2, slot.end(), std::mt19937(7));
+  } else {
+    std::reverse(slot.begin(), slot.end());
+  }
   std::vector<hicache::PageMove> out, in;
   for (std::int64_t i = 0; i < n; ++i) {
     out.push_back({i, host.slot(slot[static_cast<std::size_t>(i)])});
@@ -229,6 +240,7 @@ TEST(CudaCopier, StagedPathRoundTripsThroughEveryWindowShape) {
     SCOPED_TRACE(staging);
     expect_copier_round_trip(pool, staged(staging), 19, s, s);
     expect_copier_round_trip(pool, staged(staging), 7, nullptr, nullptr);
+    expect_copier_round_trip(pool, staged(staging), 19, s, s, Slots::kBackwards);
   }
   expect_copier_round_trip(pool, kKernelOnly, 19, s, s);
   // Every chunk on the DMA engines, pieces far below its sweet spot.
