@@ -191,6 +191,8 @@ void DeferredCopier::copy_segments(Direction dir, const PageLayout& layout,
                                    std::span<const PageMove> moves, std::size_t first,
                                    std::size_t last, StreamHandle stream) {
   std::vector<PageMove> copy(moves.begin(), moves.end());
+  // It does not sum pages (sums_pages is false): a checksum pointer may not outlive the call.
+  for (PageMove& m : copy) m.checksum = nullptr;
   // The layout outlives the cache's transfers, which all complete before the cache is destroyed.
   const PageLayout* l = &layout;
   std::lock_guard<std::mutex> g(state_->mu);

@@ -173,6 +173,12 @@ HostPrefixCache::HostPrefixCache(std::vector<Segment> segments, Device device, C
       throw std::invalid_argument("a state-only cache (no segments) has no pages for a tier");
     }
   }
+  if (tier_gate_ && dynamic_cast<const NullCopier*>(&mover_.copier()) != nullptr) {
+    // Its host slots are fake addresses: a tier's records and values would be written there.
+    throw std::invalid_argument(
+        "tier: the null copier's host slots hold no bytes to write to a tier or fetch into (it "
+        "is for replays, which model tiers themselves: hicache.replay)");
+  }
   if (!config_.layer_segments.empty()) {
     const std::size_t n = mover_.layout().segments().size();
     layer_starts_.push_back(0);
@@ -208,12 +214,14 @@ HostPrefixCache::HostPrefixCache(std::vector<Segment> segments, Device device, C
       std::lock_guard<std::mutex> g(mu_);
       return TierSide::publish(*this, round, good);
     };
-    // Where the copier sums pages as it copies them (the CPU copier), a fetched page's bytes
-    // are checked by its first load, which copies them anyway, instead of by one more pass
-    // over them when they arrive; not for caches that load layer by layer (a layer's bytes
-    // would reach the engine before the whole page was checked).
-    const bool check_on_load =
-        mover_.copier().sums_pages(mover_.layout()) && config_.layer_segments.empty();
+    // A fetched page's bytes are checked by its first load, not when they arrive: the CPU
+    // copier sums them as it copies them anyway, and where the copier does not (the CUDA
+    // copier), the load sums them on the page threads while its copy crosses the link
+    // (check_beside_load). Checked on arrival, a get's last pages were checked after it with
+    // nothing else to do, and a round of its own (TierLink's edge round) cost one more batch.
+    // Not for caches that load layer by layer: a layer's bytes would reach the engine before
+    // the whole page was checked.
+    const bool check_on_load = config_.layer_segments.empty();
     link_ = std::make_unique<TierLink>(tier_gate_, config_.tier, tier_space_,
                                        mover_.layout().page_bytes(), config_.block_tokens,
                                        check_on_load, std::move(host));
@@ -544,15 +552,17 @@ std::int64_t HostPrefixCache::try_resume(std::string_view request_id,
   if (state) t.states.push_back(state);
   bool failed = false;
   // Pages fetched from the tier whose bytes are not checked yet are checked by this load: the
-  // copier sums them as it copies them, and is done when it returns (TierLink's check_on_load).
+  // CPU copier sums them as it copies them, and is done when it returns; others' loads are
+  // summed here while they cross the link (TierLink's check_on_load).
   std::vector<std::optional<std::uint64_t>> sums;
   try {
     std::vector<PageMove> moves(h);
+    const bool copier_sums = mover_.copier().sums_pages(mover_.layout());
     for (std::size_t i = 0; i < h; ++i) {
       moves[i] = {(*blocks)[i], mover_.pool().slot(matched[i]->slot)};
       if (matched[i]->unchecked) {
         if (sums.empty()) sums.resize(h);
-        moves[i].checksum = &sums[i];
+        if (copier_sums) moves[i].checksum = &sums[i];
       }
     }
     t.fence = enqueue_load(moves, state ? &*state_out : nullptr,
@@ -561,7 +571,10 @@ std::int64_t HostPrefixCache::try_resume(std::string_view request_id,
     note_error(e.what());
     failed = true;
   }
-  if (!failed && !sums.empty()) h = check_loaded(matched, sums);
+  if (!failed && !sums.empty()) {
+    if (!mover_.copier().sums_pages(mover_.layout())) check_beside_load(matched, sums, stream);
+    h = check_loaded(matched, sums);
+  }
   t.pages = matched;
   register_transfer(std::move(t), stream, failed);
   if (failed || h == 0) {
@@ -582,6 +595,31 @@ std::int64_t HostPrefixCache::try_resume(std::string_view request_id,
   stats_.pages_loaded += static_cast<std::int64_t>(h);
   stats_.states_loaded += state ? 1 : 0;
   return served;
+}
+
+void HostPrefixCache::check_beside_load(std::span<Entry* const> matched,
+                                        std::span<std::optional<std::uint64_t>> sums,
+                                        StreamHandle stream) {
+  std::vector<std::size_t> unchecked;
+  for (std::size_t i = 0; i < matched.size(); ++i) {
+    if (matched[i]->unchecked) unchecked.push_back(i);
+  }
+  const auto page_bytes = static_cast<std::size_t>(mover_.layout().page_bytes());
+  detail::for_each_page(
+      unchecked.size(), page_bytes,
+      [&](std::size_t k) {
+        const std::size_t i = unchecked[k];
+        sums[i] = page_checksum({mover_.pool().slot(matched[i]->slot), page_bytes});
+      },
+      detail::kTierBytesPerThread, detail::kTierPageThreads);
+  // A page that failed leaves host memory (check_loaded), and its slot may be taken at once:
+  // not before the load still reading it has ended (rare: a torn or overwritten value).
+  for (const std::size_t i : unchecked) {
+    if (sums[i] != matched[i]->unchecked) {
+      mover_.copier().record(stream)->wait();
+      break;
+    }
+  }
 }
 
 std::size_t HostPrefixCache::check_loaded(std::vector<Entry*>& matched,

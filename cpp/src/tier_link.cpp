@@ -312,8 +312,13 @@ void TierLink::fetch_into(const FetchSpec& spec, std::size_t from, Clock::time_p
     return;
   }
   if (from >= spec.keys.size()) return;
-  const std::vector<std::size_t> plan = plan_rounds(spec.keys.size() - from, round_pages_,
-                                                    check_on_load_ ? Edge::kNone : Edge::kLast);
+  // Where the loads check the pages' bytes (check_on_load), a round leaves only its records to
+  // check after it: rounds of the whole buffer, as a put's, since each batch costs the client a
+  // fixed time of its own. Where this thread checks them, rounds of half the buffer and an edge
+  // round last, so that most of the checking runs while the next round crosses.
+  const std::vector<std::size_t> plan =
+      check_on_load_ ? plan_rounds(spec.keys.size() - from, kRing * round_pages_, Edge::kNone)
+                     : plan_rounds(spec.keys.size() - from, round_pages_, Edge::kLast);
   // Rounds in flight behind the one being landed (Tier::gets_in_flight): each hangs under the
   // ones before it, still pending, and crosses while those are checked.
   const std::size_t depth = std::max<std::size_t>(1, tier_->gets_in_flight());

@@ -4,8 +4,9 @@
 // rest of a prefix on a host miss (on the caller's thread with a deadline, or in the background
 // for the next prompt), and checks every fetched value's record against the reader's own keys
 // and tokens (tier_record.hpp) before anything is published; the page's bytes are checked
-// against the recorded checksum where they landed, or by their first load where the copier sums
-// pages as it copies them (check_on_load). Values go to the tier straight from host slots (the
+// against the recorded checksum where they landed (caches that load layer by layer), or by their
+// first load (check_on_load: the CPU copier sums them as it copies them, others' loads sum them
+// while the copy runs). Values go to the tier straight from host slots (the
 // record written after the page) and come back into host slots taken for them; the tier is told
 // about the pool's memory (Tier::use_memory), so a backend can move them without copies.
 // Internal to the cache.
@@ -109,9 +110,9 @@ class TierLink {
   };
 
   /// @param check_on_load fetched pages are checked against their records, and their bytes
-  ///        against the recorded checksum only when they are first loaded, by the copier that
-  ///        sums them as it copies (Copier::sums_pages); false: their bytes are checked here,
-  ///        before they are published.
+  ///        against the recorded checksum only when they are first loaded (by the cache's
+  ///        load, Slot::unchecked); false: their bytes are checked here, before they are
+  ///        published.
   TierLink(std::shared_ptr<TierGate> gate, TierOptions options, Key space, std::size_t page_bytes,
            std::int64_t block_tokens, bool check_on_load, Host host);
   /// Writes what is queued, waits for batches in flight, stops the thread.

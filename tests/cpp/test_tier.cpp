@@ -181,6 +181,26 @@ TEST(Tier, WrongValuesAreMissesNeverServed) {
   }
 }
 
+TEST(Tier, ANullCopierIsRefusedATierWithAnErrorThatSaysWhy) {
+  // The null copier's host slots are fake addresses: with a tier, its records and values would
+  // be written there (the process crashed at the first store's write). The control: the same
+  // cache without a tier (a replay's).
+  std::vector<std::uint8_t> kv(16 * kBlockBytes);
+  const std::vector<hicache::Segment> segs{{kv.data(), 16, kBlockBytes, kBlockBytes}};
+  CacheConfig c;
+  c.block_tokens = kB;
+  c.capacity_pages = 8;
+  auto null = std::make_shared<hicache::NullCopier>();
+  try {
+    HostPrefixCache cache(segs, hicache::Device{}, c, null, std::make_shared<MemoryTier>());
+    ADD_FAILURE() << "a null copier was given a tier";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("null copier"), std::string::npos) << e.what();
+  }
+  HostPrefixCache replay(segs, hicache::Device{}, c, null);
+  EXPECT_EQ(replay.store("a", tokens(3 * kB + 1, 1), ids(0, 4)), 3);
+}
+
 TEST(Tier, OtherModelsAndTenantsNeverSeeEachOthersPages) {
   auto tier = std::make_shared<MemoryTier>();
   Host a(tier);
@@ -385,10 +405,9 @@ class CountingTier final : public ForwardingTier {
 }  // namespace
 
 TEST(Tier, RoundsHoldWholePagesAndAreOfEqualSize) {
-  // A get's round holds 3 pages (half the buffer, counted in pages, not in values, which are a
-  // little larger): 7 pages go as 3 + 2 + 2, not 3 + 3 + 1. A put of pages the store summed
-  // has no summing to overlap with the put before it: its rounds hold the whole buffer, 6 pages
-  // (4 go as one round, 7 as 4 + 3).
+  // A round holds the whole buffer, 6 pages (counted in pages, not in values, which are a little
+  // larger: the buffer holds 5 values), whether it is a put of pages the store summed or a get
+  // whose pages' bytes the loads check: 4 pages go as one round, 7 as 4 + 3, not 6 + 1.
   auto tier = std::make_shared<CountingTier>();
   std::vector<std::uint8_t> kv(16 * kBlockBytes, 9);
   CacheConfig c;
@@ -414,24 +433,40 @@ TEST(Tier, RoundsHoldWholePagesAndAreOfEqualSize) {
                            return std::optional<std::vector<std::int64_t>>(ids(0, n / kB));
                          }),
             7 * kB);
-  EXPECT_EQ(tier->get_sizes, (std::vector<std::size_t>{3, 2, 2}));
+  EXPECT_EQ(tier->get_sizes, (std::vector<std::size_t>{4, 3}));
   for (std::int64_t i = 0; i < 7; ++i) {
     EXPECT_TRUE(std::equal(kv_b.begin() + i * kBlockBytes, kv_b.begin() + (i + 1) * kBlockBytes,
                            kv.begin() + (5 + i) * kBlockBytes));
   }
 }
 
+namespace {
+
+// The CPU copier, as a copier that does not sum the pages it copies (the CUDA copier's way): a
+// cache's loads then sum fetched pages themselves, beside the copy.
+class NonSummingCopier final : public hicache::CpuCopier {
+ public:
+  bool sums_pages(const hicache::PageLayout&) const override { return false; }
+};
+
+}  // namespace
+
 TEST(Tier, ALargeRunIsCheckedOnSeveralThreadsAndEndsAtTheFirstBadPage) {
   // 16 pages of 1 MiB. A flipped byte in page 9 ends the prefix there: pages 0-8 served byte for
   // byte, page 9 never served, now or when the prompt comes again. A cache that loads layer by
   // layer checks fetched pages as they arrive (on several threads for a large run): page 9 and
-  // the pages after it are never published. One whose CPU copier sums pages as it copies them
-  // publishes them unchecked and checks each page's bytes as its first load copies them: page 9
-  // is found there, and the load ends before it.
+  // the pages after it are never published. Others publish them unchecked and check each
+  // page's bytes at its first load, where the CPU copier sums them as it copies them or, for a
+  // copier that does not sum (as the CUDA copier does not), the load sums them beside the copy
+  // on several threads: page 9 is found there, and the load ends before it.
   constexpr std::size_t kPage = std::size_t{1} << 20;
-  for (const bool on_load : {false, true}) {
+  enum class Check { kOnArrival, kByTheCopier, kBesideTheLoad };
+  for (const Check check : {Check::kOnArrival, Check::kByTheCopier, Check::kBesideTheLoad}) {
+    const bool on_load = check != Check::kOnArrival;
     for (const bool damage : {false, true}) {
-      SCOPED_TRACE(std::string(on_load ? "checked by the load" : "checked on arrival") +
+      SCOPED_TRACE(std::string(check == Check::kOnArrival     ? "checked on arrival"
+                               : check == Check::kByTheCopier ? "checked by the copier"
+                                                              : "checked beside the load") +
                    (damage ? ", page 9 damaged" : ", intact (the control)"));
       auto tier = std::make_shared<MemoryTier>();
       CacheConfig c;
@@ -443,7 +478,9 @@ TEST(Tier, ALargeRunIsCheckedOnSeveralThreadsAndEndsAtTheFirstBadPage) {
       for (auto& x : kv_a) x = static_cast<std::uint8_t>(rng());
       HostPrefixCache a({{kv_a.data(), 16, kPage, kPage}}, hicache::Device{}, c, nullptr, tier);
       if (!on_load) c.layer_segments = {1};
-      HostPrefixCache b({{kv_b.data(), 16, kPage, kPage}}, hicache::Device{}, c, nullptr, tier);
+      std::shared_ptr<hicache::Copier> copier;
+      if (check == Check::kBesideTheLoad) copier = std::make_shared<NonSummingCopier>();
+      HostPrefixCache b({{kv_b.data(), 16, kPage, kPage}}, hicache::Device{}, c, copier, tier);
       const auto prompt = tokens(16 * kB + 1, 7);
       ASSERT_EQ(a.store("a", prompt, ids(0, 16)), 16);
       a.flush_tier();
@@ -473,6 +510,48 @@ TEST(Tier, ALargeRunIsCheckedOnSeveralThreadsAndEndsAtTheFirstBadPage) {
       EXPECT_EQ(b.try_resume("b2", prompt, blocks), good * kB);
       EXPECT_TRUE(std::equal(kv_b.begin(), kv_b.begin() + good * kPage, kv_a.begin()));
       EXPECT_EQ(b.stats().tier_pages_rejected, damage ? 2 : 0);
+    }
+  }
+}
+
+TEST(Tier, APageThatFailsItsCheckBesideAnAsynchronousLoadLeavesOnlyOnceTheLoadEnded) {
+  // A copier whose copies run later (as a GPU's do; DeferredCopier runs them when a fence is
+  // waited for) does not sum pages: try_resume sums the fetched pages beside the load it
+  // enqueued. Page 2's value is damaged: the hit ends before it, and page 2 leaves host memory,
+  // its slot free for the next store, so the call first waits for the load still reading it (no
+  // copy left queued). The control, intact: every page served, the load left to run (queued).
+  for (const bool damage : {false, true}) {
+    SCOPED_TRACE(damage ? "page 2 damaged" : "intact (the control)");
+    auto tier = std::make_shared<MemoryTier>();
+    Host a(tier);
+    const auto prompt = store_on(a);
+    if (damage) {
+      const auto keys = hicache::chain_keys("", prompt, kB);
+      const auto space = hicache::tier_space("default", a.cache->layout(), kB, 128);
+      ASSERT_TRUE(tier->edit(hicache::tier_value_name(space, keys[2]),
+                             [](auto& v) { v[kBlockBytes / 2] ^= std::byte{0x10}; }));
+    }
+    std::vector<std::uint8_t> kv(16 * kBlockBytes, 0);
+    CacheConfig c;
+    c.block_tokens = kB;
+    c.capacity_pages = 32;
+    c.admission = hicache::Admission::kAlways;
+    auto deferred = std::make_shared<hicache::DeferredCopier>();
+    HostPrefixCache b({{kv.data(), 16, kBlockBytes, kBlockBytes}}, hicache::Device{}, c, deferred,
+                      tier);
+    const std::int64_t good = damage ? 2 : 5;
+    EXPECT_EQ(b.try_resume("b", prompt,
+                           [](std::int64_t n) {
+                             return std::optional<std::vector<std::int64_t>>(ids(8, n / kB));
+                           }),
+              good * kB);
+    EXPECT_EQ(b.stats().tier_pages_rejected, damage ? 1 : 0);
+    EXPECT_EQ(deferred->pending() == 0, damage);
+    deferred->complete();
+    for (std::int64_t i = 0; i < good; ++i) {
+      EXPECT_TRUE(std::equal(kv.begin() + (8 + i) * kBlockBytes, kv.begin() + (9 + i) * kBlockBytes,
+                             a.block(i).begin()))
+          << "page " << i;
     }
   }
 }
@@ -1020,16 +1099,20 @@ TEST(Tier, AStoreOfferedInInstallmentsGoesToTheTierAsOnePut) {
 }
 
 TEST(Tier, AGetOfPagesTheTierThreadChecksEndsWithASmallEdgeRound) {
-  // Rounds of 8 pages. Where the CPU copier cannot sum pages (a segment of 1000 bytes: the
-  // checksum's blocks are 1 KiB), the tier thread sums a put's pages and checks a get's: a
-  // 12-page get ends with a round of 1 page (8 / kEdgeShare) after the rest (6 + 5 + 1), so that
-  // little of the check waits beside no transfer; a put goes in rounds of the whole buffer all
-  // the same (one batch, 12: a batch costs the client more than the sum a small first round
-  // overlapped). The control: the same pages in segments of 1 KiB, which the copier sums and
-  // whose loads check them (gets in equal rounds).
-  for (const bool summable : {false, true}) {
-    SCOPED_TRACE(summable ? "segments of 1 KiB (the control)" : "a segment of 1000 bytes");
-    const std::int64_t first = summable ? 1024 : 1000, page = 2048;
+  // A buffer of 16 pages. A cache that loads layer by layer has the tier thread check a get's
+  // pages as they arrive, in rounds of half the buffer: a 12-page get ends with a round of 1
+  // page (8 / kEdgeShare) after the rest (6 + 5 + 1), so that little of the check waits beside
+  // no transfer. The controls: caches whose loads check fetched pages, with the copier summing
+  // them as it copies (segments of 1 KiB) or the load summing them beside the copy (a segment of
+  // 1000 bytes: the checksum's blocks are 1 KiB), get in rounds of the whole buffer (12). Where
+  // the copier cannot sum, the tier thread sums a put's pages; a put goes in rounds of the whole
+  // buffer all the same (one batch, 12: a batch costs the client more than the sum a small
+  // first round overlapped).
+  for (const char* what : {"layer-wise", "segments of 1 KiB", "a segment of 1000 bytes"}) {
+    SCOPED_TRACE(what);
+    const bool layerwise = std::string(what) == "layer-wise";
+    const bool summable = std::string(what) == "segments of 1 KiB";
+    const std::int64_t first = summable || layerwise ? 1024 : 1000, page = 2048;
     auto tier = std::make_shared<CountingTier>();
     std::vector<std::uint8_t> kv(16 * page), kv_b(16 * page, 0);
     for (std::size_t i = 0; i < kv.size(); ++i) kv[i] = static_cast<std::uint8_t>(i * 7 + 3);
@@ -1048,6 +1131,7 @@ TEST(Tier, AGetOfPagesTheTierThreadChecksEndsWithASmallEdgeRound) {
     ASSERT_TRUE(a.flush_tier());
     EXPECT_EQ(a.stats().tier_pages_written, 12);
     EXPECT_EQ(tier->put_sizes, std::vector<std::size_t>{12});
+    if (layerwise) c.layer_segments = {2};
     HostPrefixCache b(segments(kv_b), hicache::Device{}, c, nullptr, tier);
     EXPECT_EQ(b.try_resume("b", prompt,
                            [](std::int64_t n) {
@@ -1055,7 +1139,7 @@ TEST(Tier, AGetOfPagesTheTierThreadChecksEndsWithASmallEdgeRound) {
                            }),
               12 * kB);
     const std::vector<std::size_t> gets =
-        summable ? std::vector<std::size_t>{6, 6} : std::vector<std::size_t>{6, 5, 1};
+        layerwise ? std::vector<std::size_t>{6, 5, 1} : std::vector<std::size_t>{12};
     EXPECT_EQ(tier->get_sizes, gets);
     EXPECT_TRUE(std::equal(kv_b.begin(), kv_b.begin() + 12 * page, kv.begin()));
   }

@@ -233,6 +233,39 @@ def test_a_gpu_cache_restarted_over_a_disk_tier_loads_exactly_what_it_stored(tmp
     assert (s["values_read"], s["values_read_direct"], s["read_failures"]) == (6, 6, 0), s
 
 
+@pytest.mark.parametrize("damage", [False, True], ids=["intact", "page-2-damaged"])
+def test_a_gpu_caches_load_checks_fetched_pages_and_ends_before_a_damaged_one(damage: bool) -> None:
+    # The CUDA copier does not sum the pages it copies: a GPU cache's load sums the pages it
+    # fetched from the tier beside its copy. A flipped byte in page 2's value ends the hit
+    # before page 2 (pages 0-1 exact, one page rejected); the control, intact, serves all six.
+    tier = hicache.MemoryTier()
+    kv_a = [random_(torch.empty(16, B, 8, 128, dtype=torch.bfloat16, device="cuda")) for _ in range(4)]
+    kv_b = [torch.zeros_like(t) for t in kv_a]
+    a = hicache.HostPrefixCache(kv_a, block_tokens=B, capacity_pages=16, tier=tier)
+    prompt = torch.arange(6 * B + 5, dtype=torch.int32)
+    assert a.store("a", prompt, list(range(7))) == 6
+    torch.cuda.synchronize()
+    a.flush_tier()
+    assert len(tier) == 6
+    if damage:  # the value that starts with page 2's bytes
+        want = pages(kv_a, [2])[0].cpu().numpy().tobytes()
+        name = next(n for n in tier.names() if tier.value(n)[: len(want)] == want)
+        value = bytearray(tier.value(name))
+        value[len(want) // 2] ^= 0x10
+        assert tier.set_value(name, bytes(value))
+    b = hicache.HostPrefixCache(kv_b, block_tokens=B, capacity_pages=16, tier=tier, tier_wait_ms=1000)
+    target = list(range(10, 16))
+    good = 2 if damage else 6
+    assert b.try_resume("b", prompt, lambda n: target[: n // B]) == good * B
+    torch.cuda.synchronize()
+    assert all(
+        torch.equal(x, y)
+        for x, y in zip(pages(kv_a, list(range(good))), pages(kv_b, target[:good]), strict=True)
+    )
+    s = b.stats()
+    assert (s.tier_pages_fetched, s.tier_pages_rejected) == (6, 1 if damage else 0), s
+
+
 @pytest.mark.parametrize("wait_ms", [1000.0, 0.0], ids=["wait", "prefetch"])
 def test_a_shared_tier_serves_a_gpu_cache_what_another_one_stored(wait_ms: float) -> None:
     # Two engine "hosts" on one GPU with their own pinned pools share an in-memory tier: the

@@ -163,6 +163,12 @@ class HostPrefixCache {
   };
 
   std::int64_t retire_completed();
+  // Where the copier does not sum the pages it copies (the CUDA copier): sums[i] for each
+  // matched[i] fetched from the tier whose bytes are not checked yet, taken from its host slot
+  // on the page threads while the load just enqueued on `stream` runs; if one will fail, waits
+  // for that load, whose slot check_loaded then frees.
+  void check_beside_load(std::span<Entry* const> matched,
+                         std::span<std::optional<std::uint64_t>> sums, StreamHandle stream);
   // After a load that summed pages fetched from the tier whose bytes were not checked yet
   // (sums[i] for each unchecked matched[i]): the pages before the first that failed are
   // checked now; that one is erased and the hit ends before it. Returns the pages kept.

@@ -84,10 +84,11 @@ struct TierOptions {
   std::int64_t wait_us = 50000;
   /// Pages waiting to be written to the tier; a store beyond that is dropped (counted).
   std::int64_t queue_pages = 4096;
-  /// Values in flight at most, in bytes: puts and gets move half of it at a time (at least one
-  /// page), one batch crossing the network while the next one's pages are summed (puts) or the
-  /// last one's values checked (gets); puts of pages their store already summed (the CPU
-  /// copier's) move all of it at a time. Values go straight from and into host slots.
+  /// Pages a put or a get moves in one batch at most, in bytes (at least one page): each batch
+  /// costs the store a fixed time of its own, so a round is as large as this allows. Gets of a
+  /// cache that loads layer by layer, whose pages are checked as they arrive, move half of it
+  /// at a time, one batch crossing while the one before it is checked. Values go straight from
+  /// and into host slots.
   std::int64_t buffer_bytes = std::int64_t{128} << 20;
   /// Names the model and its KV format in every value's name and record, so caches of other
   /// models or versions sharing the store never read each other's pages. Give each model
