@@ -24,7 +24,8 @@
 #   staging     the layout grid at 1024 pages a call with 16 and with 64 MiB of staging, point
 #               by point (the staging-window rule's A/B)
 #   ab          $AB_CMD over two wheels in turn: this tree's and this tree with $AB_BASE's files
-#               (as they were before a change) put back
+#               (as they were before a change) put back; AB_MOONCAKE=1 starts a mooncake_master
+#               for it first ($where: bench/tier_mooncake.py's arguments to reach it)
 #   call-profile  bench/research/call_profile.py: the CUDA calls a store and a load of ~1000
 #               small-block pages make, and how long the calls take to return
 #   disk        bench/disk_tier.py on the device machine's local disk (write-back, read, one-page
@@ -63,6 +64,20 @@ run() {  # run NAME COMMAND...: log to $LOGS/NAME.log, remember the outcome
   return $rc
 }
 gt=/tmp/gtest
+# A mooncake_master on 127.0.0.1 at a random port (the client's wheel from .deps); $where holds
+# the arguments bench/tier_mooncake.py takes to reach it.
+start_master() {
+  python3 -c "import mooncake.store" 2>/dev/null ||
+    run mooncake-install python3 -m pip install -q --no-deps .deps/mooncake_transfer_engine_non_cuda-*.whl
+  local master
+  master=$(python3 -c "import mooncake, os; print(os.path.join(os.path.dirname(mooncake.__file__), 'mooncake_master'))")
+  local rpc=$((20000 + RANDOM % 20000)); local http=$((rpc + 1))
+  "$master" -rpc_address 127.0.0.1 -rpc_port $rpc -enable_http_metadata_server=true \
+    -http_metadata_server_host 127.0.0.1 -http_metadata_server_port $http >"$LOGS/mooncake-master.log" 2>&1 &
+  master_pid=$!; sleep 2
+  export where="--master 127.0.0.1:$rpc --metadata http://127.0.0.1:$http/metadata"
+}
+stop_master() { kill $master_pid; wait $master_pid 2>/dev/null; }
 soak_dir=/tmp/hicache-soak
 steps=("$@")
 [ ${#steps[@]} = 0 ] && steps=(all)
@@ -145,14 +160,7 @@ paths)
   cp "$LOGS/bench-paths.log" "$OUT/bench_paths.md"
   ;;
 mooncake|mooncake-shapes)
-  python3 -c "import mooncake.store" 2>/dev/null ||
-    run mooncake-install python3 -m pip install -q --no-deps .deps/mooncake_transfer_engine_non_cuda-*.whl
-  master=$(python3 -c "import mooncake, os; print(os.path.join(os.path.dirname(mooncake.__file__), 'mooncake_master'))")
-  rpc=$((20000 + RANDOM % 20000)); http=$((rpc + 1))
-  "$master" -rpc_address 127.0.0.1 -rpc_port $rpc -enable_http_metadata_server=true \
-    -http_metadata_server_host 127.0.0.1 -http_metadata_server_port $http >"$LOGS/mooncake-master.log" 2>&1 &
-  master_pid=$!; sleep 2
-  where="--master 127.0.0.1:$rpc --metadata http://127.0.0.1:$http/metadata"
+  start_master
   if [ $step = mooncake-shapes ]; then
     { lscpu | grep -i -E 'numa|socket|model name'; cat /sys/devices/system/node/node*/cpulist; } \
       >"$OUT/numa.txt" 2>&1
@@ -172,7 +180,7 @@ mooncake|mooncake-shapes)
     done
     cat "$LOGS"/bench-mooncake-{cuda,cpu}-*.log | grep -v '^[IWE][0-9]' > "$OUT/bench_mooncake.md"
   fi
-  kill $master_pid; wait $master_pid 2>/dev/null
+  stop_master
   ;;
 staging)
   run bench-staging python3 bench/layouts.py --pages 1024 --reps 3 --staging-mib 16,64 --json "$OUT/staging.json"
@@ -195,12 +203,14 @@ ab)
     run ab-wheel-base bash -c "cd /tmp/ab/tree && python3 -m pip wheel -q --no-build-isolation \
       --no-deps $cuda90 --config-settings=build-dir=/tmp/ab/tree-build -w /tmp/ab/base ."
   fi
+  [ "${AB_MOONCAKE:-0}" = 1 ] && start_master  # AB_CMD reaches it through $where
   for r in $(seq ${AB_ROUNDS:-1}); do
     for v in base new; do
       python3 -m pip install -q --no-deps --force-reinstall /tmp/ab/$v/*.whl
       run ab-${AB_NAME:-cmd}-$v-$r bash -c "$AB_CMD"
     done
   done
+  [ "${AB_MOONCAKE:-0}" = 1 ] && stop_master
   ;;
 call-profile)
   run bench-call-profile python3 bench/research/call_profile.py
