@@ -33,6 +33,7 @@ if grep -rnE '#include *<(cuda|nanobind|cub)' cpp/include; then
   echo "public headers must not include CUDA or nanobind headers"; exit 1
 fi
 ruff check python tests bench
+ruff format --check python tests bench
 clang-format --dry-run -Werror $(git ls-files '*.hpp' '*.cpp' '*.cu' '*.cuh')
 
 step "C++: build and run the GoogleTest suite"

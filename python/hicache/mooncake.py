@@ -243,6 +243,7 @@ class MooncakeTier(Tier):
             store = None if self._closed else self._store
         if store is not None:
             store.unregister_buffer(addr)
+
     def put(self, names: list[str], values: list[int], sizes: list[int]) -> int:
         def run() -> list[int]:
             # Upsert: a value a failed writer left behind is replaced, not kept.

@@ -306,7 +306,11 @@ def test_state_only_cache_roundtrip() -> None:
     the bytes; a different prompt or a prefix without a state gets nothing."""
     parts = [torch.zeros(5, 7), torch.zeros(3, dtype=torch.float64)]
     c = hicache.HostPrefixCache(
-        [], block_tokens=4, capacity_pages=64, state_bytes=[p.nbytes for p in parts], capacity_states=4,
+        [],
+        block_tokens=4,
+        capacity_pages=64,
+        state_bytes=[p.nbytes for p in parts],
+        capacity_states=4,
         state_lookback=2,
     )
     prompt = list(range(100, 117))  # 17 tokens: 4 pages
