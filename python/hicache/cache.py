@@ -284,7 +284,7 @@ class HostPrefixCache:
             tier,
             round(tier_wait_ms * 1000),
             tier_queue_pages,
-            128 << 20,  # tier buffers: two rounds of 64 MiB in flight each way
+            128 << 20,  # TierOptions::buffer_bytes: a put's or a get's round, 128 MiB of pages at most
             tier_space,
             layer_segments,
             rate,
