@@ -572,8 +572,8 @@ std::int64_t HostPrefixCache::try_resume(std::string_view request_id,
     failed = true;
   }
   if (!failed && !sums.empty()) {
-    if (!copier_sums) check_beside_load(matched, sums, stream);
-    h = check_loaded(matched, sums);
+    if (!copier_sums) check_beside_load(matched, sums);
+    h = check_loaded(matched, sums, stream);
   }
   t.pages = matched;
   register_transfer(std::move(t), stream, failed);
@@ -598,8 +598,7 @@ std::int64_t HostPrefixCache::try_resume(std::string_view request_id,
 }
 
 void HostPrefixCache::check_beside_load(std::span<Entry* const> matched,
-                                        std::span<std::optional<std::uint64_t>> sums,
-                                        StreamHandle stream) {
+                                        std::span<std::optional<std::uint64_t>> sums) {
   std::vector<std::size_t> unchecked;
   for (std::size_t i = 0; i < matched.size(); ++i) {
     if (matched[i]->unchecked) unchecked.push_back(i);
@@ -612,24 +611,11 @@ void HostPrefixCache::check_beside_load(std::span<Entry* const> matched,
         sums[i] = page_checksum({mover_.pool().slot(matched[i]->slot), page_bytes});
       },
       detail::kTierBytesPerThread, detail::kTierPageThreads);
-  // A page that failed leaves host memory (check_loaded), and its slot may be taken at once:
-  // not before the load still reading it has ended (rare: a torn or overwritten value).
-  for (const std::size_t i : unchecked) {
-    if (sums[i] != matched[i]->unchecked) {
-      try {
-        mover_.copier().record(stream)->wait();
-      } catch (const Error& e) {
-        // The device failed: counted. A late read of the freed slot could only reach blocks
-        // past the hit, which the engine does not read as cached.
-        note_error(e.what());
-      }
-      break;
-    }
-  }
 }
 
 std::size_t HostPrefixCache::check_loaded(std::vector<Entry*>& matched,
-                                          std::span<const std::optional<std::uint64_t>> sums) {
+                                          std::span<const std::optional<std::uint64_t>> sums,
+                                          StreamHandle stream) {
   std::size_t good = matched.size();
   for (std::size_t i = 0; i < matched.size(); ++i) {
     Entry* e = matched[i];
@@ -644,6 +630,15 @@ std::size_t HostPrefixCache::check_loaded(std::vector<Entry*>& matched,
   // The engine's blocks from `good` on hold bytes this call does not report loaded; the page
   // that failed leaves host memory (its descendants, under it, can no longer be reached).
   link_->note_rejected("page bytes do not match their checksum (overwritten or torn)");
+  // Once erased, its slot may be taken at once: not before a load still reading it has ended
+  // (a copier whose copies run later; the CPU copier's fence is done already).
+  try {
+    mover_.copier().record(stream)->wait();
+  } catch (const Error& e) {
+    // The device failed: counted. A late read of the freed slot could only reach blocks past
+    // the hit, which the engine does not read as cached.
+    note_error(e.what());
+  }
   for (std::size_t i = good; i < matched.size(); ++i) pages_.unpin(matched[i]);
   if (matched[good]->refs == 0) pages_.erase(matched[good]);
   matched.resize(good);

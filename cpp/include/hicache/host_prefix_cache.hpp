@@ -165,15 +165,15 @@ class HostPrefixCache {
   std::int64_t retire_completed();
   // Where the copier does not sum the pages it copies (the CUDA copier): sums[i] for each
   // matched[i] fetched from the tier whose bytes are not checked yet, taken from its host slot
-  // on the page threads while the load just enqueued on `stream` runs; if one will fail, waits
-  // for that load, whose slot check_loaded then frees.
+  // on the page threads while the load just enqueued runs.
   void check_beside_load(std::span<Entry* const> matched,
-                         std::span<std::optional<std::uint64_t>> sums, StreamHandle stream);
-  // After a load that summed pages fetched from the tier whose bytes were not checked yet
-  // (sums[i] for each unchecked matched[i]): the pages before the first that failed are
-  // checked now; that one is erased and the hit ends before it. Returns the pages kept.
+                         std::span<std::optional<std::uint64_t>> sums);
+  // After a load of pages fetched from the tier whose bytes were not checked yet (sums[i] for
+  // each unchecked matched[i]): the pages before the first that failed are checked now; that
+  // one is erased, once the load on `stream` has ended, and the hit ends before it. Returns the
+  // pages kept.
   std::size_t check_loaded(std::vector<Entry*>& matched,
-                           std::span<const std::optional<std::uint64_t>> sums);
+                           std::span<const std::optional<std::uint64_t>> sums, StreamHandle stream);
   void finish(Transfer& t);
   // With a tier: queues a completed store's pages for writing (pinned until copied out).
   void write_to_tier(Transfer& t);
