@@ -19,17 +19,14 @@ import argparse
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import torch
 
 import hicache
 
-POOLS = [  # (model, block tokens, chunk bytes, segments, pages a call), as call_profile.py's
-    ("Llama-3-70B, TP8", 16, 16 * 256, 160, 1024),
-    ("DeepSeek-V3 MLA", 16, 16 * 1152, 61, 954),
-    ("gpt-oss-120b", 16, 16 * 1024, 72, 910),
-    ("Llama-3-8B", 16, 16 * 2048, 64, 512),
-]
+sys.path.insert(0, str(Path(__file__).parent))  # bench/research/, for call_profile.py
+from call_profile import POOLS  # (model, block tokens, chunk bytes, segments, pages a call)
 
 
 def measure(model: str, tokens: int, chunk: int, nseg: int, pages: int, stores: int) -> None:
