@@ -10,10 +10,11 @@ namespace hicache::cuda {
 StagingPlan::StagingPlan(const PageLayout& layout, std::size_t window_most,
                          const SegmentTable& table)
     : table(table), page_bytes(layout.page_bytes()) {
-  const std::size_t target = std::min(
+  const std::size_t first = std::min(
       window_most, std::max(kWindowLeast, kWindowPages * static_cast<std::size_t>(page_bytes)));
-  pages_per_window = std::max<std::size_t>(1, target / page_bytes);
-  window_bytes = (pages_per_window * page_bytes + 255) / 256 * 256;
+  first_pages = std::max<std::size_t>(1, first / page_bytes);
+  most_pages = std::max(first_pages, window_most / page_bytes);
+  window_bytes = (most_pages * page_bytes + 255) / 256 * 256;
 }
 
 StagingLane::StagingLane(const StagingPlan& plan) : plan_(plan) {
@@ -74,18 +75,28 @@ void StagingLane::copy(Direction dir, std::span<const PageMove> moves, int max_b
                        cudaStream_t caller) {
   std::lock_guard<std::mutex> guard(mu_);
   // A call of few pages still goes in kCallWindows windows, so that its DMA and its
-  // gathers/scatters overlap (a 16-page call of 4 MiB pages in two windows ran at 0.66).
-  const std::size_t step = std::clamp<std::size_t>(
+  // gathers/scatters overlap (a 16-page call of 4 MiB pages in two windows ran at 0.66). Each
+  // window after the first holds twice the one before, up to the window's room: the link is busy
+  // with the window before, and fewer windows cost fewer CUDA calls. A call that finds this
+  // lane's last DMA still running (a store's next installment) goes on growing from there. A
+  // load's last windows shrink again: its last scatter runs after the link is done.
+  const std::size_t small = std::clamp<std::size_t>(
       (moves.size() + StagingPlan::kCallWindows - 1) / StagingPlan::kCallWindows, 1,
-      plan_.pages_per_window);
+      plan_.first_pages);
+  const bool busy = last_dma_ >= 0 && cudaEventQuery(dma_done_[last_dma_]) == cudaErrorNotReady;
+  std::size_t grow = busy ? std::max(small, ramp_) : small;
   int last = -1;
-  for (std::size_t i0 = 0; i0 < moves.size(); i0 += step) {
+  for (std::size_t i0 = 0, step = 0; i0 < moves.size(); i0 += step) {
+    const std::size_t left = moves.size() - i0;
+    step = std::min(grow, left);
+    if (dir == Direction::kToDevice) step = std::min(step, std::max(small, (left + 1) / 2));
+    grow = std::min(plan_.most_pages, 2 * grow);
     // A window's pages go in host-address order: a store into a full pool takes the slots its
     // eviction freed, an old chain's leaf first, so its pages' slots are adjacent but may run
     // backwards; in order, they join into one DMA piece (each piece costs ~0.4 us of CPU,
     // bench/research/window_calls.cu).
     ordered_.assign(moves.begin() + static_cast<std::ptrdiff_t>(i0),
-                    moves.begin() + static_cast<std::ptrdiff_t>(std::min(moves.size(), i0 + step)));
+                    moves.begin() + static_cast<std::ptrdiff_t>(i0 + step));
     std::sort(ordered_.begin(), ordered_.end(),
               [](const PageMove& a, const PageMove& b) { return std::less<>{}(a.host, b.host); });
     const std::span<const PageMove> pages = ordered_;
@@ -114,6 +125,8 @@ void StagingLane::copy(Direction dir, std::span<const PageMove> moves, int max_b
       HICACHE_CUDA_CHECK(cudaEventRecord(dma_done_[w], stream_));
     }
   }
+  ramp_ = grow;
+  if (last >= 0) last_dma_ = last;
   // A store is done when its last DMA is: the DMA stream runs in order, so the last one covers
   // the earlier ones, and a fence on the caller's stream after this wait covers them all.
   if (dir == Direction::kToHost && last >= 0) {

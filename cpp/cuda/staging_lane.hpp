@@ -38,22 +38,24 @@ struct StagingPlan {
   const SegmentTable&
       table;  // the copier's, for whole pages: a window holds pages as host slots do
   std::size_t page_bytes = 0;
-  std::size_t pages_per_window = 1;
+  std::size_t first_pages = 1;  // the largest first window of a call
+  std::size_t most_pages = 1;   // a window's room: windows grow to this within a call
   std::size_t window_bytes = 0;
 
-  /// @param window_most bytes a window may hold (staging_bytes / 2). A window holds
-  ///        kWindowPages pages, within [kWindowLeast, window_most], and at least one page
-  ///        whatever they say.
+  /// @param window_most bytes a window may hold (staging_bytes / 2): most_pages pages, at least
+  ///        one whatever it says. A call's first window holds kWindowPages pages at most, within
+  ///        [kWindowLeast, window_most].
   /// @param table must outlive the plan.
   StagingPlan(const PageLayout& layout, std::size_t window_most, const SegmentTable& table);
 
-  /// Each window costs the calling thread a handful of CUDA calls (~11 us of CPU a page with
-  /// windows of one 8 MiB page): windows of several pages keep a call's CPU work down and let a
+  /// Each window costs the calling thread a handful of CUDA calls (~6 us beyond its DMA pieces,
+  /// docs/performance.md): windows of several pages keep a call's CPU work down and let a
   /// store and a load overlap. Measured on an H200 over engines' pools (16-64-token blocks),
   /// 32 MiB windows against 8 MiB: pages of 4-8 MiB 11.3-11.5 -> 3.3-3.4 us a page, both
   /// directions at once 0.85-0.94 -> 0.98-1.00; pages under 1.3 MiB stored at 0.87-0.94 with
-  /// 25-50 pages a window against 0.94-0.97 with 8 MiB (the first window's gather waits longer
-  /// before the link starts).
+  /// 25-50 pages in every window against 0.94-0.97 with 8 MiB (the first window's gather waits
+  /// longer before the link starts). So a call starts small and each window after the first
+  /// holds twice the one before, up to most_pages (StagingLane::copy).
   static constexpr std::size_t kWindowPages = 16;
   /// A call of fewer pages than this many windows hold is cut into this many windows at least
   /// (pipelining; see StagingLane::copy).
@@ -83,7 +85,9 @@ class StagingLane {
   std::mutex mu_;
   char* buffer_ = nullptr;
   int next_ = 0;
-  cudaStream_t stream_ = nullptr;                    // DMA
+  int last_dma_ = -1;              // the window whose DMA was enqueued last
+  std::size_t ramp_ = 1;           // the next window's pages when a call continues the last one's
+  cudaStream_t stream_ = nullptr;  // DMA
   std::array<cudaEvent_t, kWindows> dma_done_{};     // per window: its last DMA
   std::array<cudaEvent_t, kWindows> kernel_done_{};  // per window: its last gather or scatter
   std::vector<PageMove> ordered_;                    // scratch: a window's moves by host address

@@ -8,6 +8,7 @@
 #include <cstdio>
 #include <cstring>
 #include <random>
+#include <span>
 #include <string>
 #include <thread>
 #include <vector>
@@ -120,10 +121,12 @@ enum class Slots {
 };
 
 // Copier-level round trip: pages of blocks [0, n) go to host slots, are checked there byte for
-// byte, then come back into blocks [n, 2n) in another order.
+// byte, then come back into blocks [n, 2n) in another order. With `first_call`, the store goes
+// in calls back to back on its stream of first_call, twice that, and so on, as a cache's store
+// goes in installments (a staging lane whose DMA is still running continues its windows' growth).
 void expect_copier_round_trip(DevicePool& pool, hicache::CudaCopierOptions opt, std::int64_t n,
                               cudaStream_t store_stream, cudaStream_t load_stream,
-                              Slots order = Slots::kShuffled) {
+                              Slots order = Slots::kShuffled, std::int64_t first_call = 0) {
   hicache::PageLayout layout(pool.segments(), kGpu);
   auto copier = bound_copier(layout, opt);
   auto host = host_slots(layout, *copier, 2 * n);
@@ -140,7 +143,15 @@ void expect_copier_round_trip(DevicePool& pool, hicache::CudaCopierOptions opt, 
     in.push_back({2 * n - 1 - i, host.slot(slot[static_cast<std::size_t>(i)])});
   }
   for (std::int64_t i = 0; i < n; ++i) pool.clear(n + i);
-  copier->copy_pages(hicache::Direction::kToHost, layout, out, store_stream);
+  if (first_call == 0) {
+    copier->copy_pages(hicache::Direction::kToHost, layout, out, store_stream);
+  } else {
+    for (std::int64_t i0 = 0, step = first_call; i0 < n; i0 += step, step *= 2) {
+      const auto count = static_cast<std::size_t>(std::min(step, n - i0));
+      copier->copy_pages(hicache::Direction::kToHost, layout,
+                         std::span(out).subspan(static_cast<std::size_t>(i0), count), store_stream);
+    }
+  }
   auto fence = copier->record(store_stream);
   fence->wait();
   ASSERT_TRUE(fence->done());
@@ -248,6 +259,23 @@ TEST(CudaCopier, StagedPathRoundTripsThroughEveryWindowShape) {
   // Segments of unequal sizes, the page larger than a window: the window widens to hold it.
   DevicePool uneven(24, {12 << 10, 50 << 10, 6 << 10, 20 << 10});
   expect_copier_round_trip(uneven, staged(64 << 10), 11, s, s);
+  cudaStreamDestroy(s);
+}
+
+TEST(CudaCopier, StagedWindowsThatGrowWithinACallAndAcrossCallsRoundTrip) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  cudaStream_t s;
+  CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  // 64 KiB pages and 64 MiB of staging: a call's first window holds 128 pages (8 MiB), later
+  // ones grow to 512 (32 MiB), and a load's last ones shrink again. A store of 1500 pages goes
+  // in windows of 128, 256, 512, 512 and 92 pages.
+  DevicePool pool(3000, std::vector<std::int64_t>(16, 4 << 10));
+  const auto opt = staged(std::size_t{64} << 20);
+  expect_copier_round_trip(pool, opt, 1500, s, s);
+  expect_copier_round_trip(pool, opt, 1500, s, s, Slots::kBackwards);
+  // In calls of 16, 32, 64... pages back to back: each call after the first finds the lane's
+  // DMA running and goes on growing.
+  expect_copier_round_trip(pool, opt, 1500, s, s, Slots::kShuffled, 16);
   cudaStreamDestroy(s);
 }
 
