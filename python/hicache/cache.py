@@ -82,8 +82,9 @@ class HostPrefixCache:
         cuda_staging_bytes: device memory per stream and direction through which pages of
             layer-major pools cross PCIe whole on the DMA engines (pages of 512 KiB or more
             that the DMA engines do not take chunk by chunk); the kernel scatters them at HBM
-            speed. At most this much (default 64 MiB): two windows of 16 pages each, within
-            [8 MiB, half of it], each at least one whole page. 0: no staging.
+            speed. At most this much (default 64 MiB): two windows of up to half of it, each at
+            least one whole page; a call's first window holds 16 pages within [8 MiB, half of
+            it], each later one twice the one before. 0: no staging.
         cuda_path: how pages cross PCIe: ``"auto"`` (default: chosen from the layout),
             ``"dma"``, ``"staged"`` or ``"kernel"`` (see :attr:`copy_path`). ``"dma"`` suits
             layer-major pools whose copies run beside heavy compute: on an H200 it keeps the

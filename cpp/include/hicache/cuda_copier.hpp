@@ -27,8 +27,9 @@ struct CudaCopierOptions {
   int max_blocks = 4;
   /// Threads per CTA.
   int threads = 1024;
-  /// Staged path: device memory per (stream, direction) at most, cut into two windows of 16
-  /// pages each, within [8 MiB, staging_bytes / 2] and at least one whole page (StagingPlan).
+  /// Staged path: device memory per (stream, direction) at most, cut into two windows of up to
+  /// staging_bytes / 2, at least one whole page each; a call's first window holds 16 pages
+  /// within [8 MiB, staging_bytes / 2], each later one twice the one before (StagingPlan).
   /// Each stream that stores or loads gets its own staging (up to 4 streams a direction, then
   /// they share), allocated at its first use. 0 disables staging (kAuto then never picks it).
   std::size_t staging_bytes = std::size_t{64} << 20;
