@@ -4,8 +4,8 @@ For layouts whose one-call API is below 0.90 both at once while its copy half (`
 not (`bench/layouts.py` grid), one run that takes the both-at-once case apart: when each call
 returns, when each direction's copies end on the GPU (CUDA events on its stream, from an event
 recorded on it just before the calls), the same with the load called first, the two calls from
-two threads, and the copy half alone both at once. Times in ms from the first call, best of
-reps (the median of each).
+two threads, and the copy half alone both at once. Times in ms from the first call, the median
+of reps.
 
     python3 bench/research/both_at_once.py [--reps 9]
 """
