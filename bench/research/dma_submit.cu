@@ -15,14 +15,9 @@
 #include <thread>
 #include <vector>
 
-namespace {
+#include "exit_on_cuda_error.cuh"
 
-void check(cudaError_t e, const char* what) {
-  if (e != cudaSuccess) {
-    std::fprintf(stderr, "%s: %s\n", what, cudaGetErrorString(e));
-    std::exit(1);
-  }
-}
+namespace {
 
 using Clock = std::chrono::steady_clock;
 double since(Clock::time_point t0, Clock::time_point t1) {

@@ -1,7 +1,8 @@
 // What one DMA piece of cudaMemcpyBatchAsync costs the calling thread, by piece size, by the
 // kind of pinned host memory (cudaHostAlloc, or mmap + cudaHostRegister in one region or in
-// many) and with the copy engine idle or busy: 1024 pieces between scattered host slots and a
-// device buffer, in batches of 64, best of 5 rounds (the stream drained between rounds).
+// 64 MiB chunks, as a host pool pins them) and by direction: 1024 pieces between scattered host
+// slots and a device buffer, in batches of 64, best of 5 rounds (the stream drained between
+// rounds). Prints the submission time a piece and the time until the pieces are copied.
 //
 //   build/gpu/hicache_bench_piece_cost      (scripts/gpu_run.sh bench-lowlevel runs it)
 #include <cuda_runtime.h>
@@ -16,13 +17,9 @@
 #include <string_view>
 #include <vector>
 
+#include "exit_on_cuda_error.cuh"
+
 namespace {
-void check(cudaError_t e, const char* what) {
-  if (e != cudaSuccess) {
-    std::fprintf(stderr, "%s: %s\n", what, cudaGetErrorString(e));
-    std::exit(1);
-  }
-}
 using Clock = std::chrono::steady_clock;
 constexpr std::size_t kPieces = 1024, kBatch = 64, kSlots = 2048;
 constexpr std::size_t kRegion = std::size_t{64} << 20;  // a pool chunk when registered in many
@@ -55,7 +52,10 @@ Host make_host(const char* kind, std::size_t piece) {
   for (std::size_t off = 0; off < total; off += region) {
     const std::size_t bytes = std::min(region, total - off);
     void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    if (p == MAP_FAILED) std::exit(2);
+    if (p == MAP_FAILED) {
+      std::perror("mmap");
+      std::exit(1);
+    }
     madvise(p, bytes, MADV_HUGEPAGE);
     for (std::size_t o = 0; o < bytes; o += 4096) static_cast<char*>(p)[o] = 0;
     check(cudaHostRegister(p, bytes, cudaHostRegisterPortable | cudaHostRegisterMapped),
@@ -82,8 +82,7 @@ int main() {
   cudaStream_t s = nullptr;
   check(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "stream");
   std::printf(
-      "| host memory | piece | direction | us a piece, engine idle | pieces' copy time (us a "
-      "piece) |\n");
+      "| host memory | piece | direction | us a piece to submit | us a piece until copied |\n");
   std::printf("| --- | --- | --- | --- | --- |\n");
   for (std::size_t piece : {std::size_t{4} << 10, std::size_t{64} << 10, std::size_t{512} << 10,
                             std::size_t{2} << 20}) {

@@ -14,14 +14,9 @@
 #include <functional>
 #include <vector>
 
-namespace {
+#include "exit_on_cuda_error.cuh"
 
-void check(cudaError_t e, const char* what) {
-  if (e != cudaSuccess) {
-    std::fprintf(stderr, "%s: %s\n", what, cudaGetErrorString(e));
-    std::exit(1);
-  }
-}
+namespace {
 
 template <int N>
 struct Params {
