@@ -63,15 +63,39 @@ std::int64_t PrefixIndex::take_slot(std::optional<Key>* evicted) {
   if (next_unused_slot_ < capacity_) return next_unused_slot_++;
   const bool leaves_only = policy_ == EvictionPolicy::kLeafFirst;
   for (Entry* e = lru_head_; e != nullptr; e = e->lru_next) {
-    if (e->refs == 0 && !(leaves_only && children_.count(e->serial) != 0)) {
+    if (e->refs == 0 && !(leaves_only && children_.contains(e->serial))) {
       const std::int64_t s = e->slot;
       if (evicted != nullptr) *evicted = e->key;
       drop(e);
       ++evictions_;
+      prefetch_next_victim();
       return s;
     }
   }
   return -1;
+}
+
+// A store into a full pool evicts a page for each page it inserts, and each eviction touches
+// memory no recent call did: the victim's entry, its table slots (key, content edge, its
+// parent's child count) and the token buffer its reuse overwrites. The next victim is most
+// likely the least recently used entry now: its memory is fetched while the store places this
+// page, and the entry after it one eviction earlier still, so that reading its key to find its
+// slots does not wait either.
+void PrefixIndex::prefetch_next_victim() const {
+  const Entry* v = lru_head_;
+  if (v == nullptr) return;
+  if (const Entry* after = v->lru_next; after != nullptr) {  // both lines it may span
+    __builtin_prefetch(after);
+    __builtin_prefetch(reinterpret_cast<const char*>(after) + sizeof(Entry) - 1);
+  }
+  table_.prefetch(v->key);
+  if (v->edge != 0) edges_.prefetch(v->edge);
+  children_.prefetch(v->serial);
+  children_.prefetch(v->parent_serial);
+  const auto* tokens = reinterpret_cast<const char*>(v->tokens.data());
+  const std::size_t bytes =
+      std::min<std::size_t>(v->tokens.capacity() * sizeof(std::int32_t), 1024);
+  for (std::size_t b = 0; b < bytes; b += 64) __builtin_prefetch(tokens + b, 1);  // to be written
 }
 
 Entry* PrefixIndex::insert(const Key& key, std::uint64_t serial, std::uint64_t parent_serial,
@@ -96,16 +120,13 @@ Entry* PrefixIndex::insert(const Key& key, std::uint64_t serial, std::uint64_t p
   ++busy_;
   e.ready = false;
   e.unchecked.reset();
-  ++children_[parent_serial];
+  children_.add(parent_serial);
   table_.insert(&e);
   link_mru(&e);
   return &e;
 }
 
-void PrefixIndex::forget_child(const Entry* e) {
-  auto it = children_.find(e->parent_serial);
-  if (it != children_.end() && --it->second == 0) children_.erase(it);
-}
+void PrefixIndex::forget_child(const Entry* e) { children_.remove(e->parent_serial); }
 
 void PrefixIndex::erase(Entry* e) {
   if (e->refs != 0) throw std::logic_error("PrefixIndex::erase: entry is held by a transfer");

@@ -1,5 +1,9 @@
 #include <gtest/gtest.h>
 
+#include <map>
+#include <random>
+
+#include "hicache/child_counts.hpp"
 #include "hicache/prefix_index.hpp"
 
 namespace {
@@ -117,4 +121,33 @@ TEST(PrefixIndex, ContentEdgesFindAnEntryByParentAndFingerprintUntilItGoes) {
   ASSERT_NE(d, nullptr);
   EXPECT_EQ(idx.find(key(2)), nullptr);
   EXPECT_EQ(idx.find_edge(5, 777), nullptr);
+}
+
+TEST(ChildCounts, MatchesAMapOverRandomAddsAndRemoves) {
+  // Parents drawn from a few hundred serials with several children each, so probe runs form,
+  // wrap around the table's end and are shifted back on removal, while the table grows.
+  std::mt19937_64 rng(7);
+  hicache::ChildCounts counts;
+  std::map<std::uint64_t, int> model;
+  for (int op = 0; op < 300000; ++op) {
+    const std::uint64_t parent = rng() % 600 + (op / 100000) * 1000;  // new serials over time
+    if (rng() % 2 == 0) {
+      counts.add(parent);
+      ++model[parent];
+    } else {
+      counts.remove(parent);  // a parent without children stays absent
+      auto it = model.find(parent);
+      if (it != model.end() && --it->second == 0) model.erase(it);
+    }
+    const std::uint64_t probe = rng() % 3000;
+    ASSERT_EQ(counts.contains(probe), model.count(probe) != 0) << "op " << op;
+  }
+  for (std::uint64_t p = 0; p < 3000; ++p) ASSERT_EQ(counts.contains(p), model.count(p) != 0);
+  EXPECT_EQ(counts.size(), model.size());
+  // Removing every child empties it.
+  for (auto& [parent, n] : model) {
+    for (; n > 0; --n) counts.remove(parent);
+  }
+  EXPECT_EQ(counts.size(), 0u);
+  for (std::uint64_t p = 0; p < 3000; ++p) ASSERT_FALSE(counts.contains(p));
 }

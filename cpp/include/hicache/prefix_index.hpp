@@ -9,9 +9,9 @@
 #include <deque>
 #include <optional>
 #include <span>
-#include <unordered_map>
 #include <vector>
 
+#include "hicache/child_counts.hpp"
 #include "hicache/entry_table.hpp"
 #include "hicache/key.hpp"
 
@@ -95,7 +95,7 @@ class PrefixIndex {
   Entry* find_edge(std::uint64_t parent_serial, std::uint64_t fingerprint) const;
 
   /// Whether some entry names `serial` as its parent (a salt root: whether any page 0 uses it).
-  bool has_children(std::uint64_t serial) const { return children_.count(serial) != 0; }
+  bool has_children(std::uint64_t serial) const { return children_.contains(serial); }
   /// Entries held by a transfer or pending their store.
   std::int64_t busy() const { return busy_; }
 
@@ -106,6 +106,7 @@ class PrefixIndex {
   void link_mru(Entry* e);
   void unlink(Entry* e);
   std::int64_t take_slot(std::optional<Key>* evicted);
+  void prefetch_next_victim() const;
   void forget_child(const Entry* e);
   void drop(Entry* e);  // out of the table, the LRU list and its parent's children
 
@@ -120,8 +121,8 @@ class PrefixIndex {
   std::int64_t evictions_ = 0;
   std::int64_t busy_ = 0;
   EvictionPolicy policy_;
-  std::unordered_map<std::uint64_t, std::int32_t> children_;  // parent serial -> cached children
-  EntryTable<Entry, EdgeOfEntry<Entry>> edges_;               // (parent, content) -> entry
+  ChildCounts children_;                         // parent serial -> cached children
+  EntryTable<Entry, EdgeOfEntry<Entry>> edges_;  // (parent, content) -> entry
 };
 
 }  // namespace hicache

@@ -1,0 +1,87 @@
+#pragma once
+// ChildCounts: parent serial -> how many cached entries name it as their parent, PrefixIndex's
+// record for leaf-first eviction (internal; not for engines).
+//
+// Every page a store inserts adds a count and every page it evicts removes one, and leaf-first
+// eviction asks for each idle entry it considers. A node-based std::unordered_map allocated and
+// freed a node for most of those, with a cache miss or two each; here the counts live in one flat
+// array (open addressing, linear probing, backward-shift deletion as in EntryTable), so an
+// operation is one probe of one cache line and never allocates once the table has grown.
+
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+namespace hicache {
+
+class ChildCounts {
+ public:
+  ChildCounts() : slots_(16) {}
+
+  /// Whether some entry names `parent` as its parent.
+  bool contains(std::uint64_t parent) const { return slots_[probe(parent)].count != 0; }
+
+  void add(std::uint64_t parent) {
+    if (2 * (size_ + 1) > slots_.size()) grow();
+    Slot& s = slots_[probe(parent)];
+    if (s.count == 0) {
+      s.parent = parent;
+      ++size_;
+    }
+    ++s.count;
+  }
+
+  /// One child of `parent` fewer (nothing if it has none).
+  void remove(std::uint64_t parent) {
+    std::size_t i = probe(parent);
+    if (slots_[i].count == 0 || --slots_[i].count != 0) return;
+    // Backward-shift deletion: move later members of the probe run into the hole.
+    for (std::size_t j = next(i);; j = next(j)) {
+      if (slots_[j].count == 0) break;
+      const std::size_t h = home(slots_[j].parent);
+      const bool stays = (i <= j) ? (i < h && h <= j) : (i < h || h <= j);
+      if (stays) continue;
+      slots_[i] = slots_[j];
+      i = j;
+    }
+    slots_[i] = Slot{};
+    --size_;
+  }
+
+  /// Hints the CPU to fetch where `parent`'s probe starts.
+  void prefetch(std::uint64_t parent) const { __builtin_prefetch(&slots_[home(parent)]); }
+
+  /// Parents with at least one child.
+  std::size_t size() const { return size_; }
+
+ private:
+  struct Slot {
+    std::uint64_t parent = 0;
+    std::int64_t count = 0;  // 0: the slot is empty
+  };
+  // Serials are handed out in order, so a chain's parents are consecutive integers: placed by
+  // their low bits, they sit side by side (one cache line holds four), and linear probing over
+  // distinct consecutive keys makes no runs.
+  std::size_t home(std::uint64_t parent) const {
+    return static_cast<std::size_t>(parent) & (slots_.size() - 1);
+  }
+  std::size_t next(std::size_t i) const { return (i + 1) & (slots_.size() - 1); }
+  // The slot holding `parent`, or the empty slot where it would go.
+  std::size_t probe(std::uint64_t parent) const {
+    std::size_t i = home(parent);
+    while (slots_[i].count != 0 && slots_[i].parent != parent) i = next(i);
+    return i;
+  }
+  void grow() {
+    std::vector<Slot> old(slots_.size() * 2);
+    old.swap(slots_);
+    for (const Slot& s : old) {
+      if (s.count != 0) slots_[probe(s.parent)] = s;
+    }
+  }
+
+  std::vector<Slot> slots_;
+  std::size_t size_ = 0;
+};
+
+}  // namespace hicache
