@@ -347,8 +347,8 @@ TEST(Tier, PageChecksumsAgreeOnEveryMachineAndSeeEveryChange) {
   std::mt19937_64 rng(5);
   std::vector<std::byte> big((1 << 20) + 4096 + 77);
   for (auto& b : big) b = std::byte(rng());
-  for (std::size_t n :
-       {0, 1, 63, 64, 65, 1000, 1023, 1024, 1025, 4096 + 64 + 3, 1 << 20, (1 << 20) + 4096 + 77}) {
+  for (std::size_t n : {0, 1, 63, 64, 65, 512, 960, 1000, 1023, 1024, 1025, 4096 + 64 + 3, 1 << 20,
+                        (1 << 20) + 4096 + 77}) {
     const std::span<const std::byte> in(big.data(), n);
     std::vector<std::byte> out(n + 1, std::byte{0x5A});
     const std::uint64_t h = checksum_copy(in, out.data());
