@@ -141,13 +141,20 @@ HostPool::Chunk& HostPool::chunk(std::size_t c) {
   return chunks_[c];
 }
 
+void HostPool::ready(Chunk& ch, std::byte* data, std::size_t bytes) {
+  ch.data = data;
+  ch.state = State::kReady;
+  allocated_bytes_ += bytes;
+  // The last chunk: chunks_ holds every chunk and no longer changes, so slot() may read it
+  // without the lock from now on.
+  if (++ready_chunks_ == num_chunks_) whole_.store(true, std::memory_order_release);
+}
+
 void HostPool::allocate_now(std::size_t c) {
   const std::size_t bytes = chunk_size(c);
   Chunk& ch = chunk(c);
   try {
-    ch.data = static_cast<std::byte*>(allocator_->allocate(bytes));
-    ch.state = State::kReady;
-    allocated_bytes_ += bytes;
+    ready(ch, static_cast<std::byte*>(allocator_->allocate(bytes)), bytes);
   } catch (const std::exception& e) {
     ch.state = State::kFailed;
     ch.failure = e.what();
@@ -217,9 +224,7 @@ void HostPool::worker() {
     busy_ = false;
     Chunk& ch = chunk(c);
     if (p != nullptr) {
-      ch.data = p;
-      ch.state = State::kReady;
-      allocated_bytes_ += bytes;
+      ready(ch, p, bytes);
       sweep_stopped_ = false;  // memory can be had again: the sweep goes on
     } else {
       ch.state = State::kFailed;
@@ -237,6 +242,9 @@ std::byte* HostPool::slot(std::int64_t i) {
                             std::to_string(num_slots_) + ")");
   }
   const auto c = static_cast<std::size_t>(i / slots_per_chunk_);
+  const std::size_t offset = static_cast<std::size_t>(i % slots_per_chunk_) * slot_stride_;
+  // A store asks for each page's slot: once the pool is whole, without taking the lock.
+  if (whole_.load(std::memory_order_acquire)) return chunks_[c].data + offset;
   std::unique_lock<std::mutex> lock(mu_);
   Chunk& ch = chunk(c);
   if (ch.state != State::kReady) {
@@ -253,7 +261,7 @@ std::byte* HostPool::slot(std::int64_t i) {
       throw Error(ch.failure);
     }
   }
-  return ch.data + static_cast<std::size_t>(i % slots_per_chunk_) * slot_stride_;
+  return ch.data + offset;
 }
 
 void HostPool::wait_idle() {

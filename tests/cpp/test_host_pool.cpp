@@ -8,6 +8,7 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "hicache/error.hpp"
 #include "hicache/host_memory.hpp"
@@ -53,6 +54,42 @@ TEST(HostPool, AllocatesNothingUntilASlotIsUsedThenOneChunkAtATime) {
     EXPECT_EQ(reinterpret_cast<std::uintptr_t>(s0) % hicache::HostPool::kSlotAlign, 0u);
   }
   EXPECT_EQ(alloc->live, 0u);  // everything returned
+}
+
+// Once every chunk is there, slot() reads the chunks without the pool's lock. Threads asking
+// for slots while the background thread pins the last chunks get nullptr or the address the
+// slot keeps for good, never another (ThreadSanitizer runs this too).
+TEST(HostPool, SlotsKeepTheirAddressesFromEveryThreadWhileAndAfterThePoolBecomesWhole) {
+  auto alloc = std::make_shared<CountingAllocator>();
+  hicache::HostPool pool(1000, 64, 4096, alloc, hicache::HostPool::Growth::kBackground);
+  std::vector<std::vector<std::byte*>> seen(4, std::vector<std::byte*>(64, nullptr));
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 4; ++t) {
+    threads.emplace_back([&, t] {
+      for (int round = 0; round < 2000; ++round) {
+        const auto i = static_cast<std::int64_t>((round * 7 + t * 13) % 64);
+        std::byte* p = pool.slot(i);
+        if (p == nullptr) continue;
+        std::byte*& first = seen[static_cast<std::size_t>(t)][static_cast<std::size_t>(i)];
+        if (first == nullptr) first = p;
+        ASSERT_EQ(p, first) << "slot " << i << " moved";
+      }
+    });
+  }
+  for (std::thread& th : threads) th.join();
+  pool.wait_idle();
+  EXPECT_EQ(pool.allocated_bytes(), pool.total_bytes());
+  for (std::int64_t i = 0; i < 64; ++i) {
+    std::byte* p = pool.slot(i);
+    ASSERT_NE(p, nullptr);
+    EXPECT_EQ(p - pool.slot(i / 4 * 4), (i % 4) * 1024) << "slot " << i;
+    for (const auto& mine : seen) {
+      if (mine[static_cast<std::size_t>(i)] != nullptr) {
+        EXPECT_EQ(mine[static_cast<std::size_t>(i)], p) << "slot " << i;
+      }
+    }
+  }
+  EXPECT_EQ(alloc->allocations, 16);  // one allocation a chunk, none twice
 }
 
 TEST(HostPool, RejectsSlotsOutsideThePool) {

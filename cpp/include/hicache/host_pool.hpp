@@ -23,6 +23,7 @@
 //    H200: 48 ms for 256 MiB while a 100 ms kernel ran, 51 ms idle).
 //  - kUpFront: every chunk is allocated by the constructor (predictable, nothing left to pin).
 
+#include <atomic>
 #include <condition_variable>
 #include <cstddef>
 #include <cstdint>
@@ -136,9 +137,10 @@ class HostPool {
   std::size_t chunk_size(std::size_t c) const;
   Chunk& chunk(std::size_t c);       // grows chunks_ to hold c; caller holds mu_
   void allocate_now(std::size_t c);  // caller holds mu_
-  void request(std::size_t c);       // caller holds mu_
-  bool next_job(std::size_t& c);     // caller holds mu_: the chunk the thread pins next
-  void start_thread();               // caller holds mu_
+  void ready(Chunk& ch, std::byte* data, std::size_t bytes);  // caller holds mu_
+  void request(std::size_t c);                                // caller holds mu_
+  bool next_job(std::size_t& c);  // caller holds mu_: the chunk the thread pins next
+  void start_thread();            // caller holds mu_
   void worker();
 
   std::size_t slot_bytes_;
@@ -154,6 +156,8 @@ class HostPool {
   std::condition_variable cv_;
   std::vector<Chunk> chunks_;  // [0, highest chunk touched]; never sized from num_slots
   std::size_t allocated_bytes_ = 0;
+  std::size_t ready_chunks_ = 0;
+  std::atomic<bool> whole_{false};  // every chunk is allocated (set once, under mu_)
   std::vector<std::size_t> queue_;  // chunks asked for by slot(), pinned first
   std::size_t sweep_next_ = 1;      // kBackground: next chunk the sweep pins
   bool sweep_stopped_ = false;      // kBackground: an allocation failed: pin only when asked
