@@ -40,8 +40,9 @@ bool same_tokens(const std::vector<std::int32_t>& a, std::span<const std::int32_
   return a.size() == b.size() && std::equal(a.begin(), a.end(), b.begin());
 }
 
-// A page's content edge (PrefixIndex::add_edge): a fast checksum of its tokens, ~20 ns where
-// its chain key takes ~0.6 us of BLAKE2b.
+// A page's content edge (PrefixIndex::add_edge): a fast checksum of its tokens, 40 ns for 16
+// tokens and 53 ns for 128 on this project's 2-core machine, where a 128-token page's chain key
+// takes ~0.6 us of BLAKE2b.
 std::uint64_t page_fingerprint(std::span<const std::int32_t> page) {
   return detail::checksum_copy(std::as_bytes(page), nullptr);
 }
