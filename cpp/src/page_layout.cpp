@@ -2,7 +2,8 @@
 
 #include <stdexcept>
 #include <string>
-#include <unordered_set>
+
+#include "first_repeat.hpp"
 
 namespace hicache {
 
@@ -40,13 +41,9 @@ void PageLayout::check_blocks(std::span<const std::int64_t> blocks, bool require
     }
   }
   if (!require_unique) return;
-  std::unordered_set<std::int64_t> seen;
-  seen.reserve(blocks.size());
-  for (std::int64_t b : blocks) {
-    if (!seen.insert(b).second) {
-      throw std::invalid_argument(std::string(what) + ": block id " + std::to_string(b) +
-                                  " appears twice; each page needs its own block");
-    }
+  if (const auto k = detail::first_repeat(blocks)) {
+    throw std::invalid_argument(std::string(what) + ": block id " + std::to_string(blocks[*k]) +
+                                " appears twice; each page needs its own block");
   }
 }
 

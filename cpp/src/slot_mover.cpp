@@ -2,8 +2,8 @@
 
 #include <algorithm>
 #include <stdexcept>
-#include <unordered_set>
 
+#include "first_repeat.hpp"
 #include "hicache/cpu_copier.hpp"
 #include "hicache/cuda_copier.hpp"
 #include "hicache/error.hpp"
@@ -64,19 +64,24 @@ std::int64_t SlotMover::submit(Direction dir, std::span<const std::int64_t> slot
   }
   // Destinations must not repeat (two copies into one place race); sources may.
   layout_.check_blocks(blocks, /*require_unique=*/dir == Direction::kToDevice, "submit: blocks");
-  std::unordered_set<std::int64_t> seen;
-  std::vector<PageMove> moves(slots.size());
-  for (std::size_t i = 0; i < slots.size(); ++i) {
-    if (slots[i] < 0 || slots[i] >= pool_->num_slots()) {
-      throw std::out_of_range("submit: slot " + std::to_string(slots[i]) + " (index " +
-                              std::to_string(i) + ") is outside [0, " +
-                              std::to_string(pool_->num_slots()) + ")");
-    }
-    if (dir == Direction::kToHost && !seen.insert(slots[i]).second) {
-      throw std::invalid_argument("submit: slot " + std::to_string(slots[i]) +
+  // The first bad slot in order decides the error: outside the pool, or (into host memory) a
+  // destination named twice.
+  std::size_t inside = 0;
+  while (inside < slots.size() && slots[inside] >= 0 && slots[inside] < pool_->num_slots()) {
+    ++inside;
+  }
+  if (dir == Direction::kToHost) {
+    if (const auto k = detail::first_repeat(slots.first(inside))) {
+      throw std::invalid_argument("submit: slot " + std::to_string(slots[*k]) +
                                   " is a destination twice");
     }
   }
+  if (inside < slots.size()) {
+    throw std::out_of_range("submit: slot " + std::to_string(slots[inside]) + " (index " +
+                            std::to_string(inside) + ") is outside [0, " +
+                            std::to_string(pool_->num_slots()) + ")");
+  }
+  std::vector<PageMove> moves(slots.size());
   for (std::size_t i = 0; i < slots.size(); ++i) {
     std::byte* host = pool_->slot(slots[i]);
     if (host == nullptr) throw Error("submit: slot " + std::to_string(slots[i]) + " has no memory");

@@ -7,9 +7,13 @@
 
 #include <cstring>
 #include <numeric>
+#include <optional>
+#include <random>
+#include <set>
 #include <string>
 #include <vector>
 
+#include "first_repeat.hpp"
 #include "hicache/block_catalog.hpp"
 #include "hicache/error.hpp"
 #include "hicache/shared_region.hpp"
@@ -174,6 +178,63 @@ TEST(SlotMover, CopiesPagesToSlotsAndBackAsJobs) {
   EXPECT_THROW(mover.submit(hicache::Direction::kToDevice, std::vector<std::int64_t>{1},
                             std::vector<std::int64_t>{4}),
                std::out_of_range);
+}
+
+TEST(SlotMover, RefusesADestinationNamedTwiceAndTheFirstBadSlotNamesTheError) {
+  Engine eng;
+  hicache::SlotMover mover(eng.segments(), {hicache::DeviceKind::kCpu, 0}, 8);
+  using V = std::vector<std::int64_t>;
+  const auto error = [&](hicache::Direction dir, const V& slots, const V& blocks) -> std::string {
+    try {
+      mover.submit(dir, slots, blocks);
+    } catch (const std::out_of_range& e) {
+      return std::string("out_of_range: ") + e.what();
+    } catch (const std::invalid_argument& e) {
+      return std::string("invalid_argument: ") + e.what();
+    }
+    return "";
+  };
+  const auto to_host = hicache::Direction::kToHost, to_device = hicache::Direction::kToDevice;
+  EXPECT_EQ(error(to_host, V{3, 6, 0, 6, 2}, V{0, 1, 2, 3, 0}),
+            "invalid_argument: submit: slot 6 is a destination twice");
+  // In order, the first bad slot decides: a repeat before a slot outside the pool, and after.
+  EXPECT_EQ(error(to_host, V{1, 1, 8}, V{0, 1, 2}),
+            "invalid_argument: submit: slot 1 is a destination twice");
+  EXPECT_EQ(error(to_host, V{8, 1, 1}, V{0, 1, 2}),
+            "out_of_range: submit: slot 8 (index 0) is outside [0, 8)");
+  // Loads read a slot as often as asked, but write each block once.
+  EXPECT_EQ(error(to_device, V{1, 1}, V{0, 1}), "");
+  EXPECT_EQ(error(to_device, V{1, 2, 3}, V{0, 3, 3}),
+            "invalid_argument: submit: blocks: block id 3 appears twice; each page needs its own "
+            "block");
+  EXPECT_EQ(error(to_host, V{1, 2}, V{3, 3}), "");  // stores read a block as often as asked
+  // Only the two good calls made jobs: nothing was enqueued by a refused one.
+  mover.wait(std::vector<std::int64_t>{});
+  EXPECT_EQ(mover.finished().size(), 2u);
+}
+
+// first_repeat finds where a list first names an id it named before, as a set would, over runs
+// of consecutive ids (as engines hand out blocks), random ids and ids that share their hash's
+// low bits.
+TEST(FirstRepeat, FindsTheFirstRepeatedIdAsASetWould) {
+  std::mt19937_64 rng(3);
+  for (int trial = 0; trial < 600; ++trial) {
+    const std::size_t n = rng() % 3000;
+    std::vector<std::int64_t> ids(n);
+    const int kind = trial % 3;
+    for (std::size_t i = 0; i < n; ++i) {
+      ids[i] = kind == 0   ? static_cast<std::int64_t>(i + 1000)
+               : kind == 1 ? static_cast<std::int64_t>(rng() % (4 * n + 1))
+                           : static_cast<std::int64_t>(i) << 40;
+    }
+    if (n > 1 && rng() % 2 == 0) ids[rng() % n] = ids[rng() % n];  // maybe a repeat
+    std::set<std::int64_t> seen;
+    std::optional<std::size_t> expected;
+    for (std::size_t i = 0; i < n && !expected; ++i) {
+      if (!seen.insert(ids[i]).second) expected = i;
+    }
+    ASSERT_EQ(hicache::detail::first_repeat(ids), expected) << "trial " << trial << ", " << n;
+  }
 }
 
 TEST(SlotMover, TwoProcessesSharingHostMemorySeeEachOthersSlots) {
