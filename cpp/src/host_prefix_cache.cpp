@@ -17,6 +17,7 @@
 #include "hicache/tier_record.hpp"
 #include "layer_queue.hpp"
 #include "page_checksum.hpp"
+#include "page_fingerprint.hpp"
 #include "page_threads.hpp"
 #include "tier_link.hpp"
 
@@ -40,13 +41,6 @@ bool same_tokens(const std::vector<std::int32_t>& a, std::span<const std::int32_
   return a.size() == b.size() && std::equal(a.begin(), a.end(), b.begin());
 }
 
-// A page's content edge (PrefixIndex::add_edge): a fast checksum of its tokens, 40 ns for 16
-// tokens and 53 ns for 128 on this project's 2-core machine, where a 128-token page's chain key
-// takes ~0.6 us of BLAKE2b.
-std::uint64_t page_fingerprint(std::span<const std::int32_t> page) {
-  return detail::checksum_copy(std::as_bytes(page), nullptr);
-}
-
 // Extends `chain` along the prompt's pages [chain.size(), limit) with the pages the index holds
 // under the chain's last page (the first under `root`) with the same tokens, found by content:
 // nothing is hashed. The same pages, in the same order, as the keyed walks find (a page's key is
@@ -61,7 +55,7 @@ std::size_t walk_by_content(PrefixIndex& index, std::span<const std::int32_t> to
   std::uint64_t parent = chain.empty() ? root : chain.back()->serial;
   for (std::size_t i = chain.size(); i < limit; ++i) {
     const auto page = tokens.subspan(i * block_tokens, block_tokens);
-    Entry* e = index.find_edge(parent, page_fingerprint(page));
+    Entry* e = index.find_edge(parent, detail::page_fingerprint(page));
     if (e == nullptr || e->parent_serial != parent || (ready_only && !e->ready) ||
         !same_tokens(e->tokens, page)) {
       break;
@@ -97,7 +91,7 @@ struct HostPrefixCache::TierSide {
                  if (c.host_slot(c.mover_.pool(), e->slot, unpinned) == nullptr) return false;
                  const auto toks = spec.prompt.subspan(i * B, B);
                  e->tokens.assign(toks.begin(), toks.end());
-                 c.pages_.add_edge(e, page_fingerprint(toks));
+                 c.pages_.add_edge(e, detail::page_fingerprint(toks));
                  return true;
                });
     // Fresh entries (pending, pinned by the walk) get values; pages host memory had are pinned
@@ -797,7 +791,7 @@ std::int64_t HostPrefixCache::store(std::string_view request_id,
           const auto page =
               tokens.subspan(i * static_cast<std::size_t>(B), static_cast<std::size_t>(B));
           e->tokens.assign(page.begin(), page.end());
-          pages_.add_edge(e, page_fingerprint(page));
+          pages_.add_edge(e, detail::page_fingerprint(page));
           moves.push_back({block_ids[i], host});
           t.pages.push_back(e);
           if (link_) t.parents.push_back(i == 0 ? tier_salt_digest(chain_salt) : keys[i - 1]);

@@ -2,9 +2,12 @@
 
 #include <map>
 #include <random>
+#include <unordered_set>
+#include <vector>
 
 #include "hicache/child_counts.hpp"
 #include "hicache/prefix_index.hpp"
+#include "page_fingerprint.hpp"
 
 namespace {
 
@@ -150,4 +153,42 @@ TEST(ChildCounts, MatchesAMapOverRandomAddsAndRemoves) {
   }
   EXPECT_EQ(counts.size(), 0u);
   for (std::uint64_t p = 0; p < 3000; ++p) ASSERT_FALSE(counts.contains(p));
+}
+
+// Pages found by content are filed under a fingerprint of their tokens: different pages should
+// get different fingerprints (a shared one is safe, since callers compare tokens, but makes the
+// second page a keyed lookup). Prompts' pages (runs of consecutive token ids), pages one token
+// apart at every position, every length up to 40 tokens, and every single flipped bit of a
+// 128-token page.
+TEST(PageFingerprint, DifferentPagesGetDifferentFingerprints) {
+  using hicache::detail::page_fingerprint;
+  std::unordered_set<std::uint64_t> seen;
+  std::size_t pages = 0;
+  auto add = [&](const std::vector<std::int32_t>& page) {
+    ++pages;
+    return seen.insert(page_fingerprint(page)).second;
+  };
+  std::vector<std::int32_t> page(16);
+  for (std::int32_t start = 0; start < 100000; ++start) {  // sliding windows over a prompt
+    for (std::size_t t = 0; t < 16; ++t) page[t] = start + static_cast<std::int32_t>(t);
+    ASSERT_TRUE(add(page)) << "window " << start;
+  }
+  std::vector<std::int32_t> base(128, 7);
+  for (std::size_t pos = 0; pos < base.size(); ++pos) {  // one token changed, anywhere
+    for (std::int32_t v : {0, 8, -1, 1 << 30}) {
+      auto changed = base;
+      changed[pos] = v;
+      ASSERT_TRUE(add(changed)) << "token " << pos << " = " << v;
+    }
+  }
+  for (std::size_t len = 0; len <= 40; ++len) {  // every length, the same tokens otherwise
+    ASSERT_TRUE(add(std::vector<std::int32_t>(len, 3))) << len << " tokens";
+  }
+  const std::uint64_t whole = page_fingerprint(base);
+  for (std::size_t bit = 0; bit < base.size() * 32; ++bit) {
+    auto flipped = base;
+    flipped[bit / 32] ^= static_cast<std::int32_t>(1u << (bit % 32));
+    ASSERT_NE(page_fingerprint(flipped), whole) << "bit " << bit;
+  }
+  EXPECT_EQ(seen.size(), pages);
 }
