@@ -56,8 +56,7 @@ void scramble(u64* acc) {
 
 // The stripes after the last whole block (no scramble after them), the bytes after the last
 // stripe, and the lanes folded into one value.
-u64 finish_portable(u64* acc, const std::byte* p, std::size_t n, std::byte* out,
-                    std::size_t total) {
+u64 finish(u64* acc, const std::byte* p, std::size_t n, std::byte* out, std::size_t total) {
   for (int s = 0; n >= kStripe; ++s, n -= kStripe, p += kStripe) {
     stripe(acc, p, s, out);
     if (out != nullptr) out += kStripe;
@@ -89,62 +88,38 @@ HICACHE_AVX2 inline __m256i scrambled(__m256i a, __m256i k) {
                           _mm256_slli_epi64(_mm256_mul_epu32(_mm256_srli_epi64(a, 32), m), 32));
 }
 
-// The first `stripes` stripes of a block into the accumulators (no scramble), copying them to
-// `out` on the way when it is not null (with streaming stores where `stream`).
-HICACHE_AVX2 inline void stripes_avx2(__m256i& a0, __m256i& a1, const std::byte*& p, int stripes,
-                                      std::byte*& out, bool stream) {
-  using V = __m256i_u;
-  for (int s = 0; s < stripes; ++s, p += kStripe) {
-    const __m256i d0 = _mm256_loadu_si256(reinterpret_cast<const V*>(p));
-    const __m256i d1 = _mm256_loadu_si256(reinterpret_cast<const V*>(p + 32));
-    if (stream) {
-      _mm256_stream_si256(reinterpret_cast<__m256i*>(out), d0);
-      _mm256_stream_si256(reinterpret_cast<__m256i*>(out + 32), d1);
-      out += kStripe;
-    } else if (out != nullptr) {
-      _mm256_storeu_si256(reinterpret_cast<V*>(out), d0);
-      _mm256_storeu_si256(reinterpret_cast<V*>(out + 32), d1);
-      out += kStripe;
-    }
-    const auto* k = reinterpret_cast<const V*>(kSecret.data() + s);
-    a0 = accumulate(a0, d0, _mm256_loadu_si256(k));
-    a1 = accumulate(a1, d1, _mm256_loadu_si256(k + 1));
-  }
-}
-
-// Streaming stores where the destination allows them: the copy's destination (a host slot the GPU
-// reads, a value the network reads) is not read by this core again, and a plain store first reads
-// each line it writes. 64 MiB copied and summed on one core of this project's 2-core machine:
-// 2.5 ms instead of 3.1.
-bool streams_to(const std::byte* out) {
-  return out != nullptr && reinterpret_cast<std::uintptr_t>(out) % 32 == 0;
-}
-
 HICACHE_AVX2 void blocks_avx2(u64* acc, const std::byte* p, std::size_t blocks, std::byte* out) {
   using V = __m256i_u;
   __m256i a0 = _mm256_loadu_si256(reinterpret_cast<const V*>(acc));
   __m256i a1 = _mm256_loadu_si256(reinterpret_cast<const V*>(acc + 4));
   const __m256i s0 = _mm256_loadu_si256(reinterpret_cast<const V*>(kSecret.data() + kStripes));
   const __m256i s1 = _mm256_loadu_si256(reinterpret_cast<const V*>(kSecret.data() + kStripes + 4));
-  const bool stream = streams_to(out);
+  // Streaming stores where the destination allows them: the copy's destination (a host slot the
+  // GPU reads, a value the network reads) is not read by this core again, and a plain store
+  // first reads each line it writes. 64 MiB copied and summed on one core of this project's
+  // 2-core machine: 2.5 ms instead of 3.1.
+  const bool stream = out != nullptr && reinterpret_cast<std::uintptr_t>(out) % 32 == 0;
   for (std::size_t b = 0; b < blocks; ++b) {
-    stripes_avx2(a0, a1, p, kStripes, out, stream);
+    for (int s = 0; s < kStripes; ++s, p += kStripe) {
+      const __m256i d0 = _mm256_loadu_si256(reinterpret_cast<const V*>(p));
+      const __m256i d1 = _mm256_loadu_si256(reinterpret_cast<const V*>(p + 32));
+      if (stream) {
+        _mm256_stream_si256(reinterpret_cast<__m256i*>(out), d0);
+        _mm256_stream_si256(reinterpret_cast<__m256i*>(out + 32), d1);
+        out += kStripe;
+      } else if (out != nullptr) {
+        _mm256_storeu_si256(reinterpret_cast<V*>(out), d0);
+        _mm256_storeu_si256(reinterpret_cast<V*>(out + 32), d1);
+        out += kStripe;
+      }
+      const auto* k = reinterpret_cast<const V*>(kSecret.data() + s);
+      a0 = accumulate(a0, d0, _mm256_loadu_si256(k));
+      a1 = accumulate(a1, d1, _mm256_loadu_si256(k + 1));
+    }
     a0 = scrambled(a0, s0);
     a1 = scrambled(a1, s1);
   }
   if (stream) _mm_sfence();  // the streamed lines are visible before anyone is told
-  _mm256_storeu_si256(reinterpret_cast<V*>(acc), a0);
-  _mm256_storeu_si256(reinterpret_cast<V*>(acc + 4), a1);
-}
-
-// The whole stripes of a last, partial block (fewer than kStripes; not scrambled).
-HICACHE_AVX2 void last_stripes_avx2(u64* acc, const std::byte* p, int stripes, std::byte* out) {
-  using V = __m256i_u;
-  __m256i a0 = _mm256_loadu_si256(reinterpret_cast<const V*>(acc));
-  __m256i a1 = _mm256_loadu_si256(reinterpret_cast<const V*>(acc + 4));
-  const bool stream = streams_to(out);
-  stripes_avx2(a0, a1, p, stripes, out, stream);
-  if (stream) _mm_sfence();
   _mm256_storeu_si256(reinterpret_cast<V*>(acc), a0);
   _mm256_storeu_si256(reinterpret_cast<V*>(acc + 4), a1);
 }
@@ -187,24 +162,6 @@ bool use_vector() {
 #endif
 }
 
-// finish_portable, with the last whole stripes in vectors where `vector`: a page smaller than
-// a block (128 tokens of a prompt are 512 bytes: a content edge's fingerprint) is all stripes.
-u64 finish(u64* acc, const std::byte* p, std::size_t n, std::byte* out, std::size_t total,
-           bool vector) {
-#ifdef HICACHE_CHECKSUM_AVX2
-  if (vector && n >= kStripe) {
-    const std::size_t whole = n / kStripe * kStripe;
-    last_stripes_avx2(acc, p, static_cast<int>(whole / kStripe), out);
-    p += whole;
-    n -= whole;
-    if (out != nullptr) out += whole;
-  }
-#else
-  (void)vector;
-#endif
-  return finish_portable(acc, p, n, out, total);
-}
-
 void init(u64* acc) {
   for (int i = 0; i < kLanes; ++i) acc[i] = kSecret[static_cast<std::size_t>(i)];
 }
@@ -216,7 +173,7 @@ u64 checksum(std::span<const std::byte> bytes, std::byte* out, bool vector) {
   blocks(acc, bytes.data(), n, out, vector);
   const std::size_t done = n * kBlock;
   return finish(acc, bytes.data() + done, bytes.size() - done, out ? out + done : nullptr,
-                bytes.size(), vector);
+                bytes.size());
 }
 
 }  // namespace
@@ -245,7 +202,7 @@ bool ChecksumCopy::add(std::span<const std::byte> bytes, std::byte* out) {
 }
 
 std::uint64_t ChecksumCopy::value() {
-  return finish(acc_, tail_.data(), tail_.size(), nullptr, total_, use_vector());
+  return finish(acc_, tail_.data(), tail_.size(), nullptr, total_);
 }
 
 }  // namespace hicache::detail
