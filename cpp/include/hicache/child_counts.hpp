@@ -5,12 +5,14 @@
 // Every page a store inserts adds a count and every page it evicts removes one, and leaf-first
 // eviction asks for each idle entry it considers. A node-based std::unordered_map allocated and
 // freed a node for most of those, with a cache miss or two each; here the counts live in one flat
-// array (open addressing, linear probing, backward-shift deletion as in EntryTable), so an
+// array (open addressing, linear probing, backward-shift deletion: linear_probing.hpp), so an
 // operation is one probe of one cache line and never allocates once the table has grown.
 
 #include <cstddef>
 #include <cstdint>
 #include <vector>
+
+#include "hicache/linear_probing.hpp"
 
 namespace hicache {
 
@@ -33,18 +35,11 @@ class ChildCounts {
 
   /// One child of `parent` fewer (nothing if it has none).
   void remove(std::uint64_t parent) {
-    std::size_t i = probe(parent);
+    const std::size_t i = probe(parent);
     if (slots_[i].count == 0 || --slots_[i].count != 0) return;
-    // Backward-shift deletion: move later members of the probe run into the hole.
-    for (std::size_t j = next(i);; j = next(j)) {
-      if (slots_[j].count == 0) break;
-      const std::size_t h = home(slots_[j].parent);
-      const bool stays = (i <= j) ? (i < h && h <= j) : (i < h || h <= j);
-      if (stays) continue;
-      slots_[i] = slots_[j];
-      i = j;
-    }
-    slots_[i] = Slot{};
+    detail::erase_and_shift_back(
+        slots_, i, [](const Slot& s) { return s.count == 0; },
+        [this](const Slot& s) { return home(s.parent); });
     --size_;
   }
 

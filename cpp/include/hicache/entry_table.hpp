@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "hicache/key.hpp"
+#include "hicache/linear_probing.hpp"
 
 namespace hicache {
 
@@ -70,17 +71,9 @@ class EntryTable {
   void erase(const E* e) {
     std::size_t i = home(By::tag(By::of(e)));
     while (slots_[i].entry != e) i = next(i);
-    // Backward-shift deletion: move later members of the probe run into the hole.
-    for (std::size_t j = next(i);; j = next(j)) {
-      if (slots_[j].entry == nullptr) break;
-      const std::size_t h = home(slots_[j].tag);
-      // slots_[j] may move to i if its home is not cyclically within (i, j].
-      const bool stays = (i <= j) ? (i < h && h <= j) : (i < h || h <= j);
-      if (stays) continue;
-      slots_[i] = slots_[j];
-      i = j;
-    }
-    slots_[i] = Slot{};
+    detail::erase_and_shift_back(
+        slots_, i, [](const Slot& s) { return s.entry == nullptr; },
+        [this](const Slot& s) { return home(s.tag); });
     --size_;
   }
 
