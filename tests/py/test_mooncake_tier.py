@@ -374,9 +374,10 @@ def test_a_writer_killed_mid_put_costs_misses_never_a_wrong_page(master) -> None
 # --- the master restarted again and again under load ---------------------------------------------
 
 
-def _busy_engine(role: str, rpc: str, metadata: str, latest, stop, out) -> None:
+def _busy_engine(role: str, rpc: str, metadata: str, latest, running, stop, out) -> None:
     """An engine host kept busy until `stop`: the writer stores a new 4-page prompt per round
     (`latest` says how many), the reader resumes written ones and checks every page it is served.
+    `running` counts the engines whose tier and cache are up (the restarts begin after both).
     Reports what it did, its longest call and the longest its Python thread went without the GIL
     (a tier that blocked the process, as a client's setup against a dead master does, shows
     there)."""
@@ -400,6 +401,8 @@ def _busy_engine(role: str, rpc: str, metadata: str, latest, stop, out) -> None:
             last = now
 
     threading.Thread(target=ticker, daemon=True).start()
+    with running.get_lock():
+        running.value += 1
     rng = random.Random(role)
     done = {"calls": 0, "hits": 0, "wrong": 0, "flush_timeouts": 0, "longest_call": 0.0, "longest_flush": 0.0}
     n = 0
@@ -460,18 +463,23 @@ def _busy_engine(role: str, rpc: str, metadata: str, latest, stop, out) -> None:
 
 def test_twenty_master_restarts_under_load_never_crash_stall_or_serve_a_wrong_page(master) -> None:
     ctx = mp.get_context("spawn")
-    latest, stop, out = ctx.Value("i", 0), ctx.Event(), ctx.Queue()
+    latest, running, stop, out = ctx.Value("i", 0), ctx.Value("i", 0), ctx.Event(), ctx.Queue()
     procs = [
         ctx.Process(
-            target=_busy_engine, args=(role, master.rpc, master.metadata, latest, stop, out), name=role
+            target=_busy_engine,
+            args=(role, master.rpc, master.metadata, latest, running, stop, out),
+            name=role,
         )
         for role in ("writer", "reader")
     ]
     for p in procs:
         p.start()
     try:
+        # Both engines up (a tier made while the master is down fails at construction, by design:
+        # on a loaded machine the reader's start could lag the writer's first 10 stores), and
+        # the writer busy.
         deadline = time.monotonic() + 120
-        while latest.value < 10:
+        while running.value < len(procs) or latest.value < 10:
             assert time.monotonic() < deadline and all(p.is_alive() for p in procs), "engines did not start"
             time.sleep(0.1)
         rng = np.random.default_rng(7)
