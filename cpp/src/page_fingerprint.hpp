@@ -8,8 +8,8 @@
 // and the tokens of the entry an edge names, and an edge that two pages' fingerprints share is
 // held by one of them (the other is found by its key). So it needs to spread pages well, not to
 // resist anyone. The page checksum it replaced (page_checksum.hpp, which must run at memory speed
-// over megabytes and fold eight lanes at the end) cost 40 ns for 16 tokens and 53 for 128 on
-// this project's 2-core machine, over a third of a lookup's CPU; this takes four independent
+// over megabytes and fold eight lanes at the end) cost about 40 ns for 16 tokens and 80 for 128
+// on this project's 2-core machine, over a third of a lookup's CPU; this takes four independent
 // chains of 64x64 -> 128-bit multiplies folded hi ^ lo (as wyhash's mixing does) over 16 bytes
 // each, and folds the four at the end.
 
@@ -45,14 +45,10 @@ inline std::uint64_t page_fingerprint(std::span<const std::int32_t> tokens) {
   std::size_t n = tokens.size_bytes();
   std::uint64_t h[4] = {kLane[0] ^ n, kLane[1], kLane[2], kLane[3]};
   for (; n >= 64; n -= 64, p += 64) {  // four chains side by side: their multiplies overlap
-    const std::uint64_t h0 = fold_mul(load64(p) ^ kLane[4] ^ h[0], load64(p + 8) ^ kLane[0]);
-    const std::uint64_t h1 = fold_mul(load64(p + 16) ^ kLane[5] ^ h[1], load64(p + 24) ^ kLane[1]);
-    const std::uint64_t h2 = fold_mul(load64(p + 32) ^ kLane[6] ^ h[2], load64(p + 40) ^ kLane[2]);
-    const std::uint64_t h3 = fold_mul(load64(p + 48) ^ kLane[7] ^ h[3], load64(p + 56) ^ kLane[3]);
-    h[0] = h0;
-    h[1] = h1;
-    h[2] = h2;
-    h[3] = h3;
+    h[0] = fold_mul(load64(p) ^ kLane[4] ^ h[0], load64(p + 8) ^ kLane[0]);
+    h[1] = fold_mul(load64(p + 16) ^ kLane[5] ^ h[1], load64(p + 24) ^ kLane[1]);
+    h[2] = fold_mul(load64(p + 32) ^ kLane[6] ^ h[2], load64(p + 40) ^ kLane[2]);
+    h[3] = fold_mul(load64(p + 48) ^ kLane[7] ^ h[3], load64(p + 56) ^ kLane[3]);
   }
   for (std::size_t l = 0; n >= 8; ++l, n -= 8, p += 8) {  // the words after the last 64 bytes
     h[l % 4] = fold_mul(load64(p) ^ kLane[4 + l % 4] ^ h[l % 4], kLane[l % 4] + l);
