@@ -18,6 +18,7 @@
 namespace {
 
 using hicache_test::ids;
+using hicache_test::numbered;
 using hicache_test::tokens;
 
 using hicache::CacheConfig;
@@ -778,7 +779,7 @@ TEST(HostPrefixCache, APoolOfManyChunksIsWholeSoonAfterStartAndStoresOfSeveralCh
   for (int round = 1; round <= 10; ++round) {
     auto prompt = tokens(5 * 16 + 1);
     for (auto& t : prompt) t += 1000 * round;  // a new prompt every round
-    cut += cache.store("r" + std::to_string(round), prompt, ids(0, 6)) < 5 ? 1 : 0;
+    cut += cache.store(numbered("r", round), prompt, ids(0, 6)) < 5 ? 1 : 0;
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
   EXPECT_LE(cut, 1);  // at most the first, sent 0 ms after start-up

@@ -10,12 +10,14 @@
 #include <vector>
 
 #include "hicache/hicache.hpp"
+#include "test_support.hpp"
 
 namespace {
 
 using hicache::MemoryTier;
 using hicache::PageStore;
 using hicache::PageStoreOptions;
+using hicache_test::numbered;
 
 // A host pool laid out layer-first, as SGLang's: page p's piece of layer l (K, then V) lies at
 // pool[(l * 2 + kv) * slots + p] (each a `piece` bytes), so a page is 2 * layers pieces apart.
@@ -196,7 +198,7 @@ TEST(PageStore, ACallOfManyChunksChainsAcrossThemAndFailsOnlyTheDamagedPages) {
   Keys keys;
   std::vector<std::size_t> slots, reversed;
   for (std::size_t i = 0; i < kPages; ++i) {
-    keys.push_back("p" + std::to_string(i));
+    keys.push_back(numbered("p", i));
     slots.push_back(i);
     reversed.push_back(kPages - 1 - i);
   }
@@ -246,8 +248,8 @@ TEST(PageStore, ThreadsPutAndGetAtOnce) {
     threads.emplace_back([&, t] {
       Pool mine(1024);
       for (int round = 0; round < 50; ++round) {
-        const std::vector<std::string> keys = {"t" + std::to_string(t) + "-" +
-                                               std::to_string(round)};
+        const std::vector<std::string> keys = {
+            numbered(numbered("t", t) + "-", round)};
         if (store.put(keys, "", a.pieces({static_cast<std::size_t>(t)}))[0] != 1) ++bad[t];
         if (store.get(keys, "", mine.pieces({0}))[0] != 1) ++bad[t];
         if (mine.page(0) != a.page(static_cast<std::size_t>(t))) ++bad[t];

@@ -3,6 +3,8 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <string>
+#include <string_view>
 #include <vector>
 
 namespace hicache_test {
@@ -19,6 +21,14 @@ inline std::vector<std::int64_t> ids(std::int64_t first, std::int64_t n) {
   std::vector<std::int64_t> v;
   for (std::int64_t i = 0; i < n; ++i) v.push_back(first + i);
   return v;
+}
+
+/// `prefix` followed by n in decimal ("p" + 7: "p7"). Built by appending: GCC 12 at -O2 warns
+/// falsely (-Wrestrict, GCC bug 105329) on `"p" + std::to_string(i)`.
+inline std::string numbered(std::string_view prefix, long long n) {
+  std::string s(prefix);
+  s += std::to_string(n);
+  return s;
 }
 
 }  // namespace hicache_test

@@ -22,6 +22,7 @@ using hicache::CacheConfig;
 using hicache::HostPrefixCache;
 using hicache::MemoryTier;
 using hicache_test::ids;
+using hicache_test::numbered;
 using hicache_test::tokens;
 
 constexpr std::int64_t kB = 16;
@@ -226,7 +227,7 @@ TEST(Tier, ATierThatFailsCostsMissesAndErrorsButNeverTheCache) {
   Host a(tier), b(tier);
   const auto prompt = store_on(a);
   tier->fail_next(20);
-  for (int i = 0; i < 12; ++i) EXPECT_EQ(b.resume("b" + std::to_string(i), prompt, 8), 0);
+  for (int i = 0; i < 12; ++i) EXPECT_EQ(b.resume(numbered("b", i), prompt, 8), 0);
   auto s = b.cache->stats();
   EXPECT_EQ(s.tier_errors, 12);
   EXPECT_FALSE(s.disabled);  // tier errors are not cache errors
