@@ -248,8 +248,7 @@ TEST(PageStore, ThreadsPutAndGetAtOnce) {
     threads.emplace_back([&, t] {
       Pool mine(1024);
       for (int round = 0; round < 50; ++round) {
-        const std::vector<std::string> keys = {
-            numbered(numbered("t", t) + "-", round)};
+        const std::vector<std::string> keys = {numbered(numbered("t", t) + "-", round)};
         if (store.put(keys, "", a.pieces({static_cast<std::size_t>(t)}))[0] != 1) ++bad[t];
         if (store.get(keys, "", mine.pieces({0}))[0] != 1) ++bad[t];
         if (mine.page(0) != a.page(static_cast<std::size_t>(t))) ++bad[t];
