@@ -421,8 +421,9 @@ def run_cpu_cost(args: argparse.Namespace) -> None:
 
 
 def report(path: str) -> None:
-    """The table BENCHMARKS.md shows, from a --json file of a --mover run (no GPU needed): ratios
-    below the targets in bold (0.95 a direction, 0.90 both at once), then the counts."""
+    """The table BENCHMARKS.md shows, from a --json file (no GPU needed): ratios below the
+    targets in bold (0.95 a direction, 0.90 both at once), then the counts. The SlotMover column
+    and counts need a --mover run: "not run" otherwise."""
 
     def mark(v: float, target: float) -> str:
         return f"**{v:.3f}**" if v < target else f"{v:.3f}"
@@ -435,8 +436,12 @@ def report(path: str) -> None:
     print("| --- " * 10 + "|")
     for r in rows:
         chunk = f"{r['chunk'] >> 20} MiB" if r["chunk"] >= 1 << 20 else f"{r['chunk'] // KIB} KiB"
-        mover = " / ".join(
-            mark(r[f"mover_{k}"], 0.90 if k == "both" else 0.95) for k in ("store", "load", "both")
+        mover = (
+            " / ".join(
+                mark(r[f"mover_{k}"], 0.90 if k == "both" else 0.95) for k in ("store", "load", "both")
+            )
+            if "mover_store" in r
+            else "not run"
         )
         print(
             f"| {chunk} | {r['segments']} | {r['page'] / 2**20:.2f} MiB | {r['pages']} | {r['path']} | "
@@ -444,13 +449,19 @@ def report(path: str) -> None:
             f"{r['store_target']:.2f}, {r['load_target']:.2f} | {mover} |"
         )
     big = [r for r in rows if r["page"] >= 4 << 20]
+    movers = [r for r in rows if "mover_store" in r]
+    mover = (
+        f"SlotMover ({len(movers)} points): {sum(r['mover_store'] >= 0.95 for r in movers)} / "
+        f"{sum(r['mover_load'] >= 0.95 for r in movers)} / {sum(r['mover_both'] >= 0.90 for r in movers)}"
+        if movers
+        else "SlotMover: not run"
+    )
     print(
         f"\n{len(rows)} points: store >= 0.95 on {sum(r['store'] >= 0.95 for r in rows)}, load >= 0.95 on "
         f"{sum(r['load'] >= 0.95 for r in rows)}, both at once >= 0.90 on "
         f"{sum(r['both'] >= 0.90 for r in rows)}, the wall-time target in both directions on "
-        f"{sum(r['store_target'] >= 1 and r['load_target'] >= 1 for r in rows)}. SlotMover: "
-        f"{sum(r['mover_store'] >= 0.95 for r in rows)} / {sum(r['mover_load'] >= 0.95 for r in rows)} / "
-        f"{sum(r['mover_both'] >= 0.90 for r in rows)}. Pages of 4 MiB and more ({len(big)} points): store "
+        f"{sum(r['store_target'] >= 1 and r['load_target'] >= 1 for r in rows)}. {mover}. "
+        f"Pages of 4 MiB and more ({len(big)} points): store "
         f"on {sum(r['store'] >= 0.95 for r in big)}, load on {sum(r['load'] >= 0.95 for r in big)}, the "
         f"lowest {min(r['store'] for r in big):.3f} / {min(r['load'] for r in big):.3f}."
     )
