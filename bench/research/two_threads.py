@@ -3,10 +3,9 @@ thread and a write thread calls them (SGLang's cache controller has one of each)
 
 For each point, a cache with default options over the layout grid's pool (``bench/layouts.py``):
 each call alone, the two calls one after the other on one thread, and the two calls from two
-threads released together (the same two threads every run, as an engine's live on). Per case,
-the median over ``--reps`` runs of how long each call took from its start until it returned,
-and when the load returned and both directions' copies were done, counted from the start of
-the first call.
+threads released together. Per case, the median over ``--reps`` runs of how long each call took
+from its start until it returned, and when the load returned and both directions' copies were
+done, counted from the start of the first call.
 Every public method of the cache may be called from several threads, but a call holds the
 cache's lock while it enqueues its copies (and, on the CPU copier, while it copies), so a load
 called beside a store waits for the store's copies to be enqueued before it starts its own.
@@ -25,7 +24,6 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -37,7 +35,7 @@ import layouts as L  # the grid's layout, cache and timing helpers
 
 KIB = 1024
 POINTS = {  # device: [(chunk bytes, segments, pages a call)]
-    "cuda": [(256 * KIB, 1, 1024), (16 * KIB, 32, 1024), (32 * KIB, 64, 512)],
+    "cuda": [(256 * KIB, 1, 1024), (64 * KIB, 1, 1024), (16 * KIB, 32, 1024), (32 * KIB, 64, 512)],
     "cpu": [(256 * KIB, 1, 256), (16 * KIB, 32, 128)],
 }
 
@@ -66,10 +64,6 @@ def probe(chunk: int, nseg: int, pages: int, reps: int) -> None:
         store(times, prompt)
         load(times)
 
-    # Two threads that live as long as the point, as an engine's do (a thread's first CUDA and
-    # torch calls set up state of its own, which a thread made per run would pay every run).
-    workers = ThreadPoolExecutor(max_workers=2)
-
     def two_threads(times: dict[str, float], prompt: torch.Tensor) -> None:
         go = threading.Barrier(2)
 
@@ -77,12 +71,14 @@ def probe(chunk: int, nseg: int, pages: int, reps: int) -> None:
             go.wait()
             fn()
 
-        calls = [
-            workers.submit(after, lambda: store(times, prompt)),
-            workers.submit(after, lambda: load(times)),
+        ts = [
+            threading.Thread(target=after, args=(lambda: store(times, prompt),)),
+            threading.Thread(target=after, args=(lambda: load(times),)),
         ]
-        for c in calls:
-            c.result()
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
 
     cases = {
         "store alone": store_alone,
@@ -118,7 +114,6 @@ def probe(chunk: int, nseg: int, pages: int, reps: int) -> None:
             f"| {name} | {m['store']:.2f} | {m['load']:.2f} | {m['load_returns']:.2f} | {m['done']:.2f} |",
             flush=True,
         )
-    workers.shutdown()
     p.sync()
 
 

@@ -96,6 +96,78 @@ def test_store_and_resume_on_a_side_stream_while_a_matmul_runs() -> None:
     torch.cuda.synchronize()
 
 
+@pytest.mark.parametrize("path", ["dma", "staged", "kernel"])
+def test_stores_and_loads_from_four_threads_at_once_move_exact_bytes(path: str) -> None:
+    # Two threads store new prompts and two load cached ones, each on its own stream, as an
+    # engine's write and load threads do, on every path (each stream its own staging lane).
+    # Every load must bring its prompt's bytes, and every store must keep them.
+    import threading
+
+    segments = [random_(torch.empty(256, 16 << 10, dtype=torch.uint8, device="cuda")) for _ in range(4)]
+    cache = hicache.HostPrefixCache(
+        segments, block_tokens=16, capacity_pages=512, cuda_path=path, admission="always"
+    )
+    assert cache.copy_path == path
+    n = 8  # pages a prompt
+
+    def prompt(k: int) -> torch.Tensor:
+        return torch.arange(n * 16 + 1, dtype=torch.int32) + k * 1_000_000
+
+    def sources(k: int) -> list[int]:  # blocks 0-127 hold the engine's KV; nothing writes there
+        return [(k * 5 + 3 * i) % 128 for i in range(n)]
+
+    cached = list(range(8))
+    for k in cached:
+        assert cache.store(f"c{k}", prompt(k), sources(k)) == n
+    torch.cuda.synchronize()
+    cache.poll()
+    failures: list[str] = []
+
+    def writer(w: int) -> None:
+        s = torch.cuda.Stream()
+        for i in range(24):
+            k = 100 + 100 * w + i
+            if cache.store(f"w{k}", prompt(k), sources(k), stream=s) != n:
+                failures.append(f"store {k}: {cache.stats().last_error}")
+            s.synchronize()
+            cache.forget(f"w{k}")
+
+    def reader(r: int) -> None:
+        s = torch.cuda.Stream()
+        targets = list(range(128 + 64 * r, 128 + 64 * r + n))
+        for i in range(24):
+            k = cached[(i + r) % len(cached)]
+            got = cache.try_resume(f"r{r}", prompt(k), lambda t: targets[: t // 16], stream=s)
+            s.synchronize()
+            cache.forget(f"r{r}")
+            if got != n * 16:
+                failures.append(f"load {k}: {got} tokens")
+                continue
+            for a, b in zip(pages(segments, sources(k)), pages(segments, targets), strict=True):
+                if not torch.equal(a, b):
+                    failures.append(f"load {k} by reader {r}: wrong bytes")
+
+    threads = [threading.Thread(target=writer, args=(w,)) for w in range(2)]
+    threads += [threading.Thread(target=reader, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert failures == []
+    torch.cuda.synchronize()
+    cache.poll()
+    targets = list(range(200, 200 + n))
+    for w in range(2):
+        for i in range(24):
+            k = 100 + 100 * w + i
+            assert cache.try_resume("check", prompt(k), lambda t: targets[: t // 16]) == n * 16
+            torch.cuda.synchronize()
+            cache.forget("check")
+            for a, b in zip(pages(segments, sources(k)), pages(segments, targets), strict=True):
+                assert torch.equal(a, b), f"stored prompt {k}"
+    assert cache.stats().pages_busy == 0
+
+
 def test_pages_in_flight_are_neither_hit_nor_evicted() -> None:
     seg = random_(torch.empty(16, B, 1024, dtype=torch.float16, device="cuda"))
     cache = hicache.HostPrefixCache(seg, block_tokens=B, capacity_pages=2)
