@@ -99,8 +99,8 @@ def probe(chunk: int, nseg: int, pages: int, tokens: int, reps: int, trace_dir: 
         return [a, time.perf_counter()]
 
     # Two threads that live as long as the point, as an engine's do (a thread made per run pays
-    # its first CUDA and torch calls' setup every run: this case read 7.7-10.4 ms on an H100 host
-    # that way, bench/research/two_threads.py's long-lived ones 7.5-8.9 at its 1 x 256 KiB point).
+    # the setup of its first CUDA and torch calls in every run; bench/research/two_threads.py's
+    # are long-lived too).
     workers = ThreadPoolExecutor(max_workers=2)
 
     def threads() -> list[float]:
