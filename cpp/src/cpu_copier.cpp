@@ -8,6 +8,7 @@
 
 #include "page_checksum.hpp"
 #include "page_threads.hpp"
+#include "stream_copy.hpp"
 
 namespace hicache {
 namespace {
@@ -22,11 +23,20 @@ bool summable(const PageLayout& layout) {
   return true;
 }
 
+void copy_through_caches(std::byte* dst, const std::byte* src, std::size_t n) {
+  std::memcpy(dst, src, n);
+}
+
 // Segments [first, last) of each page.
 void copy_pages_now(Direction dir, const PageLayout& layout, std::span<const PageMove> moves,
                     std::size_t first, std::size_t last) {
   const auto& segs = layout.segments();
   const bool sums = first == 0 && last == segs.size() && summable(layout);
+  // A call larger than the caches writes around them (stream_copy.hpp).
+  const bool streaming =
+      moves.size() * layout.range_bytes(first, last) >= detail::kStreamingCallBytes;
+  void (*const copy)(std::byte*, const std::byte*, std::size_t) =
+      streaming ? detail::copy_streaming : copy_through_caches;
   // Pages on several threads when there are many bytes (a tier's round loaded into CPU blocks
   // ran at one core's memcpy rate, 14 ms for 64 MiB on an H200 host).
   detail::for_each_page(moves.size(), layout.range_bytes(first, last), [&](std::size_t i) {
@@ -53,9 +63,9 @@ void copy_pages_now(Direction dir, const PageLayout& layout, std::span<const Pag
       std::byte* host = m.host + layout.page_offset(s);
       const auto n = static_cast<std::size_t>(segs[s].block_bytes);
       if (dir == Direction::kToHost) {
-        std::memcpy(host, block, n);
+        copy(host, block, n);
       } else {
-        std::memcpy(block, host, n);
+        copy(block, host, n);
       }
     }
   });
