@@ -101,6 +101,11 @@ HICACHE_AVX2 void blocks_avx2(u64* acc, const std::byte* p, std::size_t blocks, 
   const bool stream = out != nullptr && reinterpret_cast<std::uintptr_t>(out) % 32 == 0;
   for (std::size_t b = 0; b < blocks; ++b) {
     for (int s = 0; s < kStripes; ++s, p += kStripe) {
+      // The next block's line asked for now. With the hardware's prefetch alone, 256 MiB of
+      // 1 MiB pages on two threads of the 2-core machine were copied and summed at 13.4-16.4
+      // GB/s and summed alone at 15.7-18.0; with this, 16.9-18.4 and 20.4-23.4 (256 and 4096
+      // bytes ahead measured alike).
+      _mm_prefetch(reinterpret_cast<const char*>(p + kBlock), _MM_HINT_T0);
       const __m256i d0 = _mm256_loadu_si256(reinterpret_cast<const V*>(p));
       const __m256i d1 = _mm256_loadu_si256(reinterpret_cast<const V*>(p + 32));
       if (stream) {
