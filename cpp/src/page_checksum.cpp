@@ -97,8 +97,13 @@ HICACHE_AVX2 void blocks_avx2(u64* acc, const std::byte* p, std::size_t blocks, 
   // Streaming stores where the destination allows them: the copy's destination (a host slot the
   // GPU reads, a value the network reads) is not read by this core again, and a plain store
   // first reads each line it writes. 64 MiB copied and summed on one core of this project's
-  // 2-core machine: 2.5 ms instead of 3.1.
-  const bool stream = out != nullptr && reinterpret_cast<std::uintptr_t>(out) % 32 == 0;
+  // 2-core machine: 2.5 ms instead of 3.1. A destination 16 bytes past a 32-byte boundary
+  // (numpy's large arrays, whose memory is malloc's mmap plus its 16-byte header) takes them
+  // 16 bytes at a time: with plain stores there, 256 MiB of 1 MiB pages were copied and summed
+  // on two threads at 10.6 GB/s against 15.4 into aligned memory.
+  const auto at = reinterpret_cast<std::uintptr_t>(out);
+  const bool stream = out != nullptr && at % 32 == 0;
+  const bool stream16 = out != nullptr && at % 32 == 16;
   for (std::size_t b = 0; b < blocks; ++b) {
     for (int s = 0; s < kStripes; ++s, p += kStripe) {
       // The next block's line asked for now. With the hardware's prefetch alone, 256 MiB of
@@ -112,6 +117,13 @@ HICACHE_AVX2 void blocks_avx2(u64* acc, const std::byte* p, std::size_t blocks, 
         _mm256_stream_si256(reinterpret_cast<__m256i*>(out), d0);
         _mm256_stream_si256(reinterpret_cast<__m256i*>(out + 32), d1);
         out += kStripe;
+      } else if (stream16) {
+        auto* o = reinterpret_cast<__m128i*>(out);
+        _mm_stream_si128(o, _mm256_castsi256_si128(d0));
+        _mm_stream_si128(o + 1, _mm256_extracti128_si256(d0, 1));
+        _mm_stream_si128(o + 2, _mm256_castsi256_si128(d1));
+        _mm_stream_si128(o + 3, _mm256_extracti128_si256(d1, 1));
+        out += kStripe;
       } else if (out != nullptr) {
         _mm256_storeu_si256(reinterpret_cast<V*>(out), d0);
         _mm256_storeu_si256(reinterpret_cast<V*>(out + 32), d1);
@@ -124,7 +136,7 @@ HICACHE_AVX2 void blocks_avx2(u64* acc, const std::byte* p, std::size_t blocks, 
     a0 = scrambled(a0, s0);
     a1 = scrambled(a1, s1);
   }
-  if (stream) _mm_sfence();  // the streamed lines are visible before anyone is told
+  if (stream || stream16) _mm_sfence();  // the streamed lines are visible before anyone is told
   _mm256_storeu_si256(reinterpret_cast<V*>(acc), a0);
   _mm256_storeu_si256(reinterpret_cast<V*>(acc + 4), a1);
 }

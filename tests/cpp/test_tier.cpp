@@ -351,12 +351,23 @@ TEST(Tier, PageChecksumsAgreeOnEveryMachineAndSeeEveryChange) {
   for (std::size_t n : {0, 1, 63, 64, 65, 512, 960, 1000, 1023, 1024, 1025, 4096 + 64 + 3, 1 << 20,
                         (1 << 20) + 4096 + 77}) {
     const std::span<const std::byte> in(big.data(), n);
-    std::vector<std::byte> out(n + 1, std::byte{0x5A});
-    const std::uint64_t h = checksum_copy(in, out.data());
-    EXPECT_EQ(h, checksum_copy_portable(in, nullptr)) << n << " bytes";
-    EXPECT_EQ(h, checksum_copy(in, nullptr)) << n << " bytes";
-    EXPECT_EQ(std::memcmp(out.data(), in.data(), n), 0) << n << " bytes";
-    EXPECT_EQ(out[n], std::byte{0x5A}) << "wrote past " << n << " bytes";
+    const std::uint64_t sum = checksum_copy_portable(in, nullptr);
+    EXPECT_EQ(checksum_copy(in, nullptr), sum) << n << " bytes";
+    // Destinations at every alignment the copy stores differently to: 32-byte streaming
+    // stores, 16-byte ones (16 past a 32-byte boundary), plain ones.
+    std::vector<std::byte> buffer(n + 128, std::byte{0x5A});
+    const auto base = reinterpret_cast<std::uintptr_t>(buffer.data());
+    std::byte* aligned = buffer.data() + (64 - base % 64) % 64;
+    for (std::size_t offset : {0, 16, 32, 48, 8}) {
+      std::byte* out = aligned + offset;
+      EXPECT_EQ(checksum_copy(in, out), sum) << n << " bytes at " << offset;
+      EXPECT_EQ(std::memcmp(out, in.data(), n), 0) << n << " bytes at " << offset;
+      EXPECT_EQ(out[n], std::byte{0x5A}) << "wrote past " << n << " bytes at " << offset;
+      if (offset > 0) {
+        EXPECT_EQ(out[-1], std::byte{0x5A}) << "wrote before, at " << offset;
+      }
+      std::fill(buffer.begin(), buffer.end(), std::byte{0x5A});
+    }
   }
   // A known answer: a record written on one machine is checked on another.
   std::vector<std::byte> ramp(4096 + 100);
