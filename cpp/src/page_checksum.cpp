@@ -97,13 +97,20 @@ HICACHE_AVX2 void blocks_avx2(u64* acc, const std::byte* p, std::size_t blocks, 
   // Streaming stores where the destination allows them: the copy's destination (a host slot the
   // GPU reads, a value the network reads) is not read by this core again, and a plain store
   // first reads each line it writes. 64 MiB copied and summed on one core of this project's
-  // 2-core machine: 2.5 ms instead of 3.1. A destination 16 bytes past a 32-byte boundary
-  // (numpy's large arrays, whose memory is malloc's mmap plus its 16-byte header) takes them
-  // 16 bytes at a time: with plain stores there, 256 MiB of 1 MiB pages were copied and summed
-  // on two threads at 10.6 GB/s against 15.4 into aligned memory.
+  // 2-core machine: 2.5 ms instead of 3.1. A destination off a 32-byte boundary (numpy's large
+  // arrays are 16 bytes past one: malloc's mmap plus its header) is streamed too, in 64-byte
+  // lines of its own: from its first line boundary on, each stripe's copy stores the 64 source
+  // bytes that land in one destination line (loaded again, from the cache, `shift` bytes on),
+  // and the bytes before the first boundary and after the last go by memcpy. With plain stores
+  // there, 256 MiB of 1 MiB pages were copied and summed on two threads at 10.6 GB/s against
+  // 15.4 into aligned memory.
+  const std::size_t n = blocks * kBlock;
   const auto at = reinterpret_cast<std::uintptr_t>(out);
   const bool stream = out != nullptr && at % 32 == 0;
-  const bool stream16 = out != nullptr && at % 32 == 16;
+  const std::size_t shift =
+      out != nullptr && !stream && n >= kStripe ? (kStripe - at % kStripe) : 0;
+  const std::byte* const from = p;
+  std::byte* const to = out;
   for (std::size_t b = 0; b < blocks; ++b) {
     for (int s = 0; s < kStripes; ++s, p += kStripe) {
       // The next block's line asked for now. With the hardware's prefetch alone, 256 MiB of
@@ -117,12 +124,15 @@ HICACHE_AVX2 void blocks_avx2(u64* acc, const std::byte* p, std::size_t blocks, 
         _mm256_stream_si256(reinterpret_cast<__m256i*>(out), d0);
         _mm256_stream_si256(reinterpret_cast<__m256i*>(out + 32), d1);
         out += kStripe;
-      } else if (stream16) {
-        auto* o = reinterpret_cast<__m128i*>(out);
-        _mm_stream_si128(o, _mm256_castsi256_si128(d0));
-        _mm_stream_si128(o + 1, _mm256_extracti128_si256(d0, 1));
-        _mm_stream_si128(o + 2, _mm256_castsi256_si128(d1));
-        _mm_stream_si128(o + 3, _mm256_extracti128_si256(d1, 1));
+      } else if (shift > 0) {
+        // The destination line that starts `shift` bytes into this stripe, where it ends
+        // inside the call's bytes (all but the last stripe's).
+        if (p + shift + kStripe <= from + n) {
+          const __m256i e0 = _mm256_loadu_si256(reinterpret_cast<const V*>(p + shift));
+          const __m256i e1 = _mm256_loadu_si256(reinterpret_cast<const V*>(p + shift + 32));
+          _mm256_stream_si256(reinterpret_cast<__m256i*>(out + shift), e0);
+          _mm256_stream_si256(reinterpret_cast<__m256i*>(out + shift + 32), e1);
+        }
         out += kStripe;
       } else if (out != nullptr) {
         _mm256_storeu_si256(reinterpret_cast<V*>(out), d0);
@@ -136,7 +146,11 @@ HICACHE_AVX2 void blocks_avx2(u64* acc, const std::byte* p, std::size_t blocks, 
     a0 = scrambled(a0, s0);
     a1 = scrambled(a1, s1);
   }
-  if (stream || stream16) _mm_sfence();  // the streamed lines are visible before anyone is told
+  if (shift > 0) {  // before the first line boundary, and after the last streamed line
+    std::memcpy(to, from, shift);
+    std::memcpy(to + n - (kStripe - shift), from + n - (kStripe - shift), kStripe - shift);
+  }
+  if (stream || shift > 0) _mm_sfence();  // the streamed lines are visible before anyone is told
   _mm256_storeu_si256(reinterpret_cast<V*>(acc), a0);
   _mm256_storeu_si256(reinterpret_cast<V*>(acc + 4), a1);
 }
