@@ -37,35 +37,32 @@ inline void line_sse2(std::byte* to, const std::byte* from) {
   }
 }
 
-__attribute__((target("avx2"))) std::size_t lines_avx2(std::byte* d, const std::byte* s,
-                                                       std::size_t n) {
+// The loop, once for each form: always inlined into the form's own function, so that an AVX2
+// line's stores are inlined where AVX2 is enabled.
+template <void (*Line)(std::byte*, const std::byte*)>
+__attribute__((always_inline)) inline std::size_t lines(std::byte* d, const std::byte* s,
+                                                        std::size_t n) {
   std::size_t done = 0;
   for (; n - done >= kWays * kPage; done += kWays * kPage) {
     for (std::size_t off = 0; off < kPage; off += kLine) {
       for (std::size_t w = 0; w < kWays; ++w) {
         const std::size_t at = done + w * kPage + off;
         _mm_prefetch(reinterpret_cast<const char*>(s + at + 4 * kLine), _MM_HINT_T0);
-        line_avx2(d + at, s + at);
+        Line(d + at, s + at);
       }
     }
   }
-  for (; n - done >= kLine; done += kLine) line_avx2(d + done, s + done);
+  for (; n - done >= kLine; done += kLine) Line(d + done, s + done);
   return done;
 }
 
+__attribute__((target("avx2"))) std::size_t lines_avx2(std::byte* d, const std::byte* s,
+                                                       std::size_t n) {
+  return lines<line_avx2>(d, s, n);
+}
+
 std::size_t lines_sse2(std::byte* d, const std::byte* s, std::size_t n) {
-  std::size_t done = 0;
-  for (; n - done >= kWays * kPage; done += kWays * kPage) {
-    for (std::size_t off = 0; off < kPage; off += kLine) {
-      for (std::size_t w = 0; w < kWays; ++w) {
-        const std::size_t at = done + w * kPage + off;
-        _mm_prefetch(reinterpret_cast<const char*>(s + at + 4 * kLine), _MM_HINT_T0);
-        line_sse2(d + at, s + at);
-      }
-    }
-  }
-  for (; n - done >= kLine; done += kLine) line_sse2(d + done, s + done);
-  return done;
+  return lines<line_sse2>(d, s, n);
 }
 
 bool has_avx2() {
