@@ -12,7 +12,8 @@
 
 namespace hicache {
 
-/// memcpy, complete at once. Ignores the stream.
+/// Copies at once, on several threads for calls of many bytes and with non-temporal stores for
+/// calls of 4 MiB and more (they would not stay in the caches). Ignores the stream.
 class CpuCopier : public Copier {
  public:
   explicit CpuCopier(std::shared_ptr<HostAllocator> allocator = make_aligned_host_allocator());
