@@ -36,22 +36,28 @@ ruff check python tests bench
 ruff format --check python tests bench
 clang-format --dry-run -Werror $(git ls-files '*.hpp' '*.cpp' '*.cu' '*.cuh')
 
+# Every GoogleTest runs as a test of its own under ctest; one that hangs (a forked child waiting
+# for a signal it missed, say) fails after 20 minutes under its own name instead of holding the
+# whole run.
+ctest_timeout=1200
+
 step "C++: build and run the GoogleTest suite"
 cmake -S . -B build/cpp -G Ninja -DHICACHE_BUILD_TESTS=ON >"$logs/cmake-cpp.log"
 cmake --build build/cpp >"$logs/build-cpp.log" 2>&1 || { cat "$logs/build-cpp.log"; exit 1; }
-(cd build/cpp && ctest --output-on-failure -j2)
+(cd build/cpp && ctest --output-on-failure -j2 --timeout $ctest_timeout)
 
 step "C++: the same suite under ASan + UBSan"
 cmake -S . -B build/cpp-asan -G Ninja -DHICACHE_BUILD_TESTS=ON -DHICACHE_SANITIZE=ON \
   -DHICACHE_BUILD_CUDA=OFF -DCMAKE_BUILD_TYPE=Debug >"$logs/cmake-asan.log"
 cmake --build build/cpp-asan >"$logs/build-asan.log" 2>&1 || { cat "$logs/build-asan.log"; exit 1; }
-(cd build/cpp-asan && ASAN_OPTIONS=detect_leaks=1 ctest --output-on-failure -j2)
+(cd build/cpp-asan && ASAN_OPTIONS=detect_leaks=1 ctest --output-on-failure -j2 --timeout $ctest_timeout)
 
 step "C++: the same suite under ThreadSanitizer (several threads share one cache)"
 cmake -S . -B build/cpp-tsan -G Ninja -DHICACHE_BUILD_TESTS=ON -DHICACHE_TSAN=ON \
   -DHICACHE_BUILD_CUDA=OFF -DCMAKE_BUILD_TYPE=Debug >"$logs/cmake-tsan.log"
 cmake --build build/cpp-tsan >"$logs/build-tsan.log" 2>&1 || { cat "$logs/build-tsan.log"; exit 1; }
-(cd build/cpp-tsan && TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1" ctest --output-on-failure -j2)
+(cd build/cpp-tsan && TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1" \
+  ctest --output-on-failure -j2 --timeout $ctest_timeout)
 
 step "C++ embedding: install the package, build and run the example engine against it"
 for variant in cuda nocuda; do
