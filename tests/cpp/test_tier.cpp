@@ -353,8 +353,9 @@ TEST(Tier, PageChecksumsAgreeOnEveryMachineAndSeeEveryChange) {
     const std::span<const std::byte> in(big.data(), n);
     const std::uint64_t sum = checksum_copy_portable(in, nullptr);
     EXPECT_EQ(checksum_copy(in, nullptr), sum) << n << " bytes";
-    // Destinations at every alignment the copy stores differently to: 32-byte streaming
-    // stores, 16-byte ones (16 past a 32-byte boundary), plain ones.
+    // Destinations on a 32-byte boundary (streamed stripe by stripe) and off one (16 past it,
+    // as numpy's arrays, and others: streamed in lines of their own, with memcpy before the
+    // first line boundary and after the last).
     std::vector<std::byte> buffer(n + 128, std::byte{0x5A});
     const auto base = reinterpret_cast<std::uintptr_t>(buffer.data());
     std::byte* aligned = buffer.data() + (64 - base % 64) % 64;
