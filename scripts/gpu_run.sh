@@ -21,6 +21,8 @@
 #               from .deps, see scripts/fetch_gpu_deps.sh): KV on the GPU, then on the CPU
 #   mooncake-shapes  bench/research/mooncake_shapes.py --memory there: the raw client with
 #               hicache's value shapes and host memory, one difference at a time; the NUMA layout
+#               ($SHAPES: the pages and KiB of each shape, default "64 1024,32 8192";
+#               $SHAPES_ARGS: the script's other arguments, default --memory)
 #   staging     the layout grid at 1024 pages a call with 16 and with 64 MiB of staging, point
 #               by point (the staging-window rule's A/B)
 #   ab          $AB_CMD over two wheels in turn: this tree's and this tree with $AB_BASE's files
@@ -166,10 +168,11 @@ mooncake|mooncake-shapes)
   if [ $step = mooncake-shapes ]; then
     { lscpu | grep -i -E 'numa|socket|model name'; cat /sys/devices/system/node/node*/cpulist; } \
       >"$OUT/numa.txt" 2>&1
-    for shape in "64 1024" "32 8192"; do
+    IFS=, read -ra shapes <<<"${SHAPES:-64 1024,32 8192}"
+    for shape in "${shapes[@]}"; do
       set -- $shape
       run bench-mooncake-shapes-$1x$2 python3 bench/research/mooncake_shapes.py $where --pages $1 \
-        --page-kib $2 --memory
+        --page-kib $2 ${SHAPES_ARGS:---memory}
     done
     cat "$LOGS"/bench-mooncake-shapes-*.log | grep -v '^[IWE][0-9]' > "$OUT/bench_mooncake_shapes.md"
   else

@@ -9,6 +9,10 @@ through MooncakeTier's own put / get / wait / poll, interleaved repetition by re
 clients on loopback as in tier_mooncake.py (A puts, B gets). Each row: the median GB/s and the
 median of each repetition's ratio to the first row.
 
+`--halves` adds rows of the raw client's values in two batches of half the pages each: one
+after the other (how hicache's tier thread puts a round of the buffer at a time), and both at
+once from two threads (how its gets keep the next round in flight).
+
 `--memory` adds rows of the raw client over buffers in other memory than numpy's: anonymous
 mmap on 2 MiB pages touched on one thread, the same touched on every core (how hicache's pinned
 allocator faults its pool in), and that registered with CUDA (`cudaHostRegister`, portable and
@@ -29,6 +33,7 @@ import statistics
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
@@ -76,22 +81,29 @@ def main() -> None:
     ap.add_argument("--record-bytes", type=int, default=192, help="a 16-token block's record")
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--memory", action="store_true", help="also the raw client over other memory")
+    ap.add_argument("--halves", action="store_true", help="also the raw client's values in two batches")
     args = ap.parse_args()
     n, page = args.pages, args.page_kib << 10
     value = page + args.record_bytes
     stride = (value + 255) // 256 * 256
-    variants = {  # name: (value bytes, stride, long names, through the backend, memory)
-        "raw: pages back to back": (page, page, False, False, "numpy"),
-        "pages at a slot's stride": (page, stride, False, False, "numpy"),
-        "page + record at a slot's stride": (value, stride, False, False, "numpy"),
-        "the same, hicache's names": (value, stride, True, False, "numpy"),
-        "the same, through MooncakeTier": (value, stride, True, True, "numpy"),
+    # name: (value bytes, stride, long names, through the backend, memory, batches)
+    variants: dict[str, tuple[int, int, bool, bool, str, str]] = {
+        "raw: pages back to back": (page, page, False, False, "numpy", "one"),
+        "pages at a slot's stride": (page, stride, False, False, "numpy", "one"),
+        "page + record at a slot's stride": (value, stride, False, False, "numpy", "one"),
+        "the same, hicache's names": (value, stride, True, False, "numpy", "one"),
+        "the same, through MooncakeTier": (value, stride, True, True, "numpy", "one"),
     }
+    if args.halves:
+        variants |= {
+            "raw, two batches one after the other": (page, page, False, False, "numpy", "serial"),
+            "raw, two batches at once": (page, page, False, False, "numpy", "overlap"),
+        }
     if args.memory:
         variants |= {
-            "raw, 2 MiB pages touched on one thread": (page, page, False, False, "huge1"),
-            "raw, 2 MiB pages touched on every core": (page, page, False, False, "huge"),
-            "raw, the same registered with CUDA": (page, page, False, False, "pinned"),
+            "raw, 2 MiB pages touched on one thread": (page, page, False, False, "huge1", "one"),
+            "raw, 2 MiB pages touched on every core": (page, page, False, False, "huge", "one"),
+            "raw, the same registered with CUDA": (page, page, False, False, "pinned", "one"),
         }
     seg = (len(variants) * args.reps + 4) * n * (stride + 4096)
     ta = MooncakeTier(args.master, args.metadata, segment_bytes=seg)
@@ -127,6 +139,21 @@ def main() -> None:
         ta._store.batch_upsert_from([f"warm/{w}/{i}" for i in range(n)], [src.ctypes.data] * n, [page] * n)
     ta._store.remove_all()
 
+    two = ThreadPoolExecutor(2)
+
+    def halves(
+        call: Callable[..., list[int]], names: list[str], ptrs: list[int], size: int, how: str
+    ) -> list[int]:
+        """The raw call over all the values, or over each half of them (serial or at once)."""
+        if how == "one":
+            return list(call(names, ptrs, [size] * len(names)))
+        h = len(names) // 2
+        parts = [(names[:h], ptrs[:h]), (names[h:], ptrs[h:])]
+        if how == "serial":
+            return [x for nm, p in parts for x in call(nm, p, [size] * len(nm))]
+        futs = [two.submit(call, nm, p, [size] * len(nm)) for nm, p in parts]
+        return [x for f in futs for x in f.result()]
+
     def through(tier: MooncakeTier, start: Callable[[], int]) -> list[int]:
         batch = start()
         while (r := tier.poll(batch)) is None:
@@ -135,7 +162,7 @@ def main() -> None:
 
     times: dict[str, list[tuple[float, float]]] = {k: [] for k in variants}
     for rep in range(args.reps):
-        for k, (name, (size, step, long_names, backend, memory)) in enumerate(variants.items()):
+        for k, (name, (size, step, long_names, backend, memory, how)) in enumerate(variants.items()):
             src, dst = bufs[memory]
             # Unique per variant and repetition; hicache's are as long as tier_value_name's.
             tag = f"hicache/v1/default/{k:04x}{rep:08x}" if long_names else f"v{k}/{rep}/"
@@ -146,14 +173,14 @@ def main() -> None:
             if backend:
                 put = through(ta, lambda names=names, ps=ps, size=size: ta.put(names, ps, [size] * n))
             else:
-                put = ta._store.batch_upsert_from(names, ps, [size] * n)
+                put = halves(ta._store.batch_upsert_from, names, ps, size, how)
             t_put = time.perf_counter() - t
             assert min(put) >= 0, put[:4]
             t = time.perf_counter()
             if backend:
                 got = through(tb, lambda names=names, gs=gs, size=size: tb.get(names, gs, size))
             else:
-                got = tb._store.batch_get_into(names, gs, [size] * n)
+                got = halves(tb._store.batch_get_into, names, gs, size, how)
             t_get = time.perf_counter() - t
             assert min(got) == size, got[:4]
             times[name].append((t_put, t_get))
@@ -171,6 +198,7 @@ def main() -> None:
             f"| {name} | {gb / med(t[0] for t in ts):.2f} | {put_r:.3f} | "
             f"{gb / med(t[1] for t in ts):.2f} | {get_r:.3f} |"
         )
+    two.shutdown()
     ta.close()
     tb.close()
 
