@@ -1,0 +1,189 @@
+// How many DMA pieces a store's pages need on a real workload: the host slots a store's pages
+// get, replayed through HostPrefixCache itself (null copier) on a Mooncake-format trace.
+//
+// A GPU store sends each staging window's pages to their host slots as DMA pieces, one piece per
+// run of slots that follow each other in memory once the window is sorted by host address
+// (cpp/cuda/staging_lane.cu); the DMA path does the same per call. Each piece costs the calling
+// thread about 0.4-0.9 us (docs/performance.md, "Where a store of small pages spends its call"),
+// so a store into slots scattered over the pool (the layout grid's shuffled pool: one piece a
+// page) costs up to twice the CPU of one whose slots run together. This counts the pieces each
+// store's copy calls would need on a trace, for windows of --window pages (0: a whole call).
+//
+//   build/<dir>/hicache_bench_slot_runs --trace data/traces/mooncake_conversation_trace.jsonl
+//       [--block-tokens 16] [--capacity-tokens 1000000] [--window 64] [--requests 0]
+//       [--admission adaptive|always]
+//
+// Each request is a lookup (try_resume, so that hits refresh what they use) then a store of its
+// whole prompt, as an engine does after prefill; a trace block (512 tokens) is 512 distinct
+// token ids derived from its hash id. Built with -DHICACHE_BUILD_BENCH=ON (no CUDA needed).
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <functional>
+#include <memory>
+#include <numeric>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "hicache/hicache.hpp"
+
+namespace {
+
+using namespace hicache;
+
+long arg(int argc, char** argv, const char* name, long fallback) {
+  for (int i = 1; i + 1 < argc; ++i) {
+    if (std::string(argv[i]) == name) return std::strtol(argv[i + 1], nullptr, 10);
+  }
+  return fallback;
+}
+
+std::string arg(int argc, char** argv, const char* name, const char* fallback) {
+  for (int i = 1; i + 1 < argc; ++i) {
+    if (std::string(argv[i]) == name) return argv[i + 1];
+  }
+  return fallback;
+}
+
+struct Request {
+  std::int64_t input_length = 0;
+  std::vector<std::int64_t> hash_ids;
+};
+
+// The two fields this needs from one line of a Mooncake trace (flat JSON of numbers).
+std::optional<Request> parse(const std::string& line) {
+  Request r;
+  const auto len = line.find("\"input_length\"");
+  const auto ids = line.find("\"hash_ids\"");
+  if (len == std::string::npos || ids == std::string::npos) return std::nullopt;
+  r.input_length = std::strtoll(line.c_str() + line.find(':', len) + 1, nullptr, 10);
+  const char* p = line.c_str() + line.find('[', ids) + 1;
+  while (*p != ']' && *p != '\0') {
+    char* end = nullptr;
+    const long long v = std::strtoll(p, &end, 10);
+    if (end == p) {
+      ++p;  // a comma or a space
+      continue;
+    }
+    r.hash_ids.push_back(v);
+    p = end;
+  }
+  return r;
+}
+
+// The null copier, counting the DMA pieces of each store's copies.
+class PieceCounter : public NullCopier {
+ public:
+  PieceCounter(std::size_t slot_stride, std::size_t window)
+      : slot_stride_(slot_stride), window_(window) {}
+
+  void copy_pages(Direction dir, const PageLayout&, std::span<const PageMove> moves,
+                  StreamHandle) override {
+    if (dir != Direction::kToHost) return;
+    const std::size_t w = window_ == 0 ? moves.size() : window_;
+    for (std::size_t i0 = 0; i0 < moves.size(); i0 += w) {
+      hosts_.clear();
+      for (std::size_t i = i0; i < std::min(moves.size(), i0 + w); ++i) {
+        hosts_.push_back(reinterpret_cast<std::uintptr_t>(moves[i].host));
+      }
+      std::sort(hosts_.begin(), hosts_.end());
+      std::int64_t pieces = 1;
+      for (std::size_t i = 1; i < hosts_.size(); ++i) {
+        pieces += hosts_[i] == hosts_[i - 1] + slot_stride_ ? 0 : 1;
+      }
+      this->pieces += pieces;
+      pages += static_cast<std::int64_t>(hosts_.size());
+    }
+  }
+
+  std::int64_t pages = 0;
+  std::int64_t pieces = 0;
+
+ private:
+  std::size_t slot_stride_;
+  std::size_t window_;
+  std::vector<std::uintptr_t> hosts_;
+};
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const std::string path = arg(argc, argv, "--trace", "");
+  const long B = arg(argc, argv, "--block-tokens", 16L);
+  const long capacity_tokens = arg(argc, argv, "--capacity-tokens", 1'000'000L);
+  const long window = arg(argc, argv, "--window", 64L);
+  const long limit = arg(argc, argv, "--requests", 0L);
+  const std::string admission = arg(argc, argv, "--admission", "adaptive");
+  if (path.empty() || B < 1 || 512 % B != 0 || capacity_tokens < B || window < 0) {
+    std::fprintf(
+        stderr,
+        "usage: --trace FILE [--block-tokens B (dividing 512)] [--capacity-tokens N] "
+        "[--window PAGES (0: a whole call)] [--requests N] [--admission adaptive|always]\n");
+    return 2;
+  }
+  std::ifstream in(path);
+  if (!in) {
+    std::fprintf(stderr, "cannot open %s\n", path.c_str());
+    return 2;
+  }
+  std::vector<Request> requests;
+  for (std::string line; std::getline(in, line) && (limit == 0 || std::ssize(requests) < limit);) {
+    if (auto r = parse(line)) requests.push_back(std::move(*r));
+  }
+  std::int64_t most_pages = 1;
+  for (const Request& r : requests) most_pages = std::max(most_pages, r.input_length / B + 1);
+
+  // 256-byte pages: a slot is its page (no tier record), so adjacent slots are 256 bytes apart.
+  constexpr std::size_t kPageBytes = 256;
+  std::vector<std::byte> kv(static_cast<std::size_t>(most_pages) * kPageBytes);  // never touched
+  CacheConfig config;
+  config.block_tokens = B;
+  config.capacity_pages = capacity_tokens / B;
+  config.admission = parse_admission(admission);
+  auto counter = std::make_shared<PieceCounter>(kPageBytes, static_cast<std::size_t>(window));
+  HostPrefixCache cache({Segment{kv.data(), most_pages, kPageBytes, kPageBytes}}, Device{}, config,
+                        counter);
+  std::vector<std::int64_t> blocks(static_cast<std::size_t>(most_pages));
+  std::iota(blocks.begin(), blocks.end(), 0);
+
+  std::vector<std::int32_t> prompt;
+  std::int64_t stores_with_pages = 0;
+  for (const Request& r : requests) {
+    prompt.clear();
+    for (std::int64_t h : r.hash_ids) {
+      for (std::int64_t j = 0; j < 512 && std::ssize(prompt) < r.input_length; ++j) {
+        prompt.push_back(static_cast<std::int32_t>((h * 512 + j) & 0x7fffffff));
+      }
+    }
+    if (prompt.empty()) continue;
+    cache.try_resume("r", prompt, [&](std::int64_t tokens) {
+      return std::vector<std::int64_t>(blocks.begin(), blocks.begin() + tokens / B);
+    });
+    cache.poll();
+    cache.forget("r");
+    const std::int64_t before = counter->pages;
+    cache.store("r", prompt, blocks);
+    cache.poll();
+    cache.forget("r");
+    stores_with_pages += counter->pages > before ? 1 : 0;
+  }
+  const CacheStats s = cache.stats();
+  std::printf(
+      "%s: %zu requests, %ld-token pages, %ld tokens of host memory, admission %s, windows of %s: "
+      "%lld pages "
+      "stored by %lld stores, %lld DMA pieces (%.3f a page), %lld pages evicted, hit tokens "
+      "%lld\n",
+      path.c_str(), requests.size(), B, capacity_tokens, admission.c_str(),
+      window == 0 ? "a whole call" : (std::to_string(window) + " pages").c_str(),
+      static_cast<long long>(counter->pages), static_cast<long long>(stores_with_pages),
+      static_cast<long long>(counter->pieces),
+      counter->pages > 0
+          ? static_cast<double>(counter->pieces) / static_cast<double>(counter->pages)
+          : 0.0,
+      static_cast<long long>(s.pages_evicted), static_cast<long long>(s.hit_tokens));
+  return 0;
+}
