@@ -36,7 +36,8 @@
 #               what submitting DMA pieces costs (bench/research/dma_submit.cu) and what each
 #               CUDA call of a staging window costs (bench/research/window_calls.cu), what a DMA
 #               piece costs by size and pinned memory (bench/research/piece_cost.cu), what the
-#               index costs a store into a cold pool (bench/research/store_walk.cpp)
+#               index costs a store into a cold pool (bench/research/store_walk.cpp), where the
+#               CPU copier should start streaming (bench/research/stream_threshold.cpp)
 #   demo        hicache demo with a Llama-3-8B-shaped model, 8K-26K-token conversations
 #   layerwise   bench/layerwise.py: convoys (a 1K-token load beside a 100K-token one) and the
 #               load-or-recompute decision on a throttled link
@@ -238,6 +239,8 @@ bench-lowlevel)
   cp "$LOGS/bench-piece-cost.log" "$OUT/bench_piece_cost.md"
   run bench-store-walk bash -c "for B in 16 128; do build/gpu/hicache_bench_store_walk --block-tokens \$B; done"
   cp "$LOGS/bench-store-walk.log" "$OUT/bench_store_walk.md"
+  run bench-stream-threshold build/gpu/hicache_bench_stream_threshold
+  cp "$LOGS/bench-stream-threshold.log" "$OUT/bench_stream_threshold.md"
   ;;
 demo)
   # 2048-token prefill chunks: block-sized ones make the prefill so slow that the load hardly
