@@ -46,9 +46,9 @@ cmake -S . -B build/cpp -G Ninja -DHICACHE_BUILD_TESTS=ON >"$logs/cmake-cpp.log"
 cmake --build build/cpp >"$logs/build-cpp.log" 2>&1 || { cat "$logs/build-cpp.log"; exit 1; }
 (cd build/cpp && ctest --output-on-failure -j2 --timeout $ctest_timeout)
 
-step "C++: the same suite under ASan + UBSan"
+step "C++: the same suite under ASan + UBSan (and bench/research's CPU probes, so they keep building)"
 cmake -S . -B build/cpp-asan -G Ninja -DHICACHE_BUILD_TESTS=ON -DHICACHE_SANITIZE=ON \
-  -DHICACHE_BUILD_CUDA=OFF -DCMAKE_BUILD_TYPE=Debug >"$logs/cmake-asan.log"
+  -DHICACHE_BUILD_BENCH=ON -DHICACHE_BUILD_CUDA=OFF -DCMAKE_BUILD_TYPE=Debug >"$logs/cmake-asan.log"
 cmake --build build/cpp-asan >"$logs/build-asan.log" 2>&1 || { cat "$logs/build-asan.log"; exit 1; }
 (cd build/cpp-asan && ASAN_OPTIONS=detect_leaks=1 ctest --output-on-failure -j2 --timeout $ctest_timeout)
 

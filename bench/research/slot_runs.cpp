@@ -1,5 +1,6 @@
-// How many DMA pieces a store's pages need on a real workload: the host slots a store's pages
-// get, replayed through HostPrefixCache itself (null copier) on a Mooncake-format trace.
+// How many DMA pieces a store's and a load's pages need on a real workload: the host slots a
+// store's pages get and a hit's pages sit in, replayed through HostPrefixCache itself (null
+// copier) on a Mooncake-format trace.
 //
 // A GPU store sends each staging window's pages to their host slots as DMA pieces, one piece per
 // run of slots that follow each other in memory once the window is sorted by host address
@@ -7,7 +8,8 @@
 // thread about 0.4-0.9 us (docs/performance.md, "Where a store of small pages spends its call"),
 // so a store into slots scattered over the pool (the layout grid's shuffled pool: one piece a
 // page) costs up to twice the CPU of one whose slots run together. This counts the pieces each
-// store's copy calls would need on a trace, for windows of --window pages (0: a whole call).
+// store's and each load's copy calls would need on a trace, for windows of --window pages (0: a
+// whole call); a load's windows are its staging windows, its DMA path's call the same.
 //
 //   build/<dir>/hicache_bench_slot_runs --trace data/traces/mooncake_conversation_trace.jsonl
 //       [--block-tokens 16] [--capacity-tokens 1000000] [--window 64] [--requests 0]
@@ -75,7 +77,7 @@ std::optional<Request> parse(const std::string& line) {
   return r;
 }
 
-// The null copier, counting the DMA pieces of each store's copies.
+// The null copier, counting the DMA pieces of each call's copies, by direction.
 class PieceCounter : public NullCopier {
  public:
   PieceCounter(std::size_t slot_stride, std::size_t window)
@@ -83,7 +85,7 @@ class PieceCounter : public NullCopier {
 
   void copy_pages(Direction dir, const PageLayout&, std::span<const PageMove> moves,
                   StreamHandle) override {
-    if (dir != Direction::kToHost) return;
+    Count& c = dir == Direction::kToHost ? stores : loads;
     const std::size_t w = window_ == 0 ? moves.size() : window_;
     for (std::size_t i0 = 0; i0 < moves.size(); i0 += w) {
       hosts_.clear();
@@ -95,13 +97,19 @@ class PieceCounter : public NullCopier {
       for (std::size_t i = 1; i < hosts_.size(); ++i) {
         pieces += hosts_[i] == hosts_[i - 1] + slot_stride_ ? 0 : 1;
       }
-      this->pieces += pieces;
-      pages += static_cast<std::int64_t>(hosts_.size());
+      c.pieces += pieces;
+      c.pages += static_cast<std::int64_t>(hosts_.size());
     }
   }
 
-  std::int64_t pages = 0;
-  std::int64_t pieces = 0;
+  struct Count {
+    std::int64_t pages = 0;
+    std::int64_t pieces = 0;
+    double per_page() const {
+      return pages > 0 ? static_cast<double>(pieces) / static_cast<double>(pages) : 0.0;
+    }
+  };
+  Count stores, loads;
 
  private:
   std::size_t slot_stride_;
@@ -165,25 +173,23 @@ int main(int argc, char** argv) {
     });
     cache.poll();
     cache.forget("r");
-    const std::int64_t before = counter->pages;
+    const std::int64_t before = counter->stores.pages;
     cache.store("r", prompt, blocks);
     cache.poll();
     cache.forget("r");
-    stores_with_pages += counter->pages > before ? 1 : 0;
+    stores_with_pages += counter->stores.pages > before ? 1 : 0;
   }
   const CacheStats s = cache.stats();
+  const auto& st = counter->stores;
+  const auto& ld = counter->loads;
   std::printf(
-      "%s: %zu requests, %ld-token pages, %ld tokens of host memory, admission %s, windows of %s: "
-      "%lld pages "
-      "stored by %lld stores, %lld DMA pieces (%.3f a page), %lld pages evicted, hit tokens "
-      "%lld\n",
+      "%s: %zu requests, %ld-token pages, %ld tokens of host memory, admission %s, windows of "
+      "%s: stores %lld pages (%lld stores) in %lld DMA pieces (%.3f a page); loads %lld pages in "
+      "%lld pieces (%.3f a page); %lld pages evicted\n",
       path.c_str(), requests.size(), B, capacity_tokens, admission.c_str(),
       window == 0 ? "a whole call" : (std::to_string(window) + " pages").c_str(),
-      static_cast<long long>(counter->pages), static_cast<long long>(stores_with_pages),
-      static_cast<long long>(counter->pieces),
-      counter->pages > 0
-          ? static_cast<double>(counter->pieces) / static_cast<double>(counter->pages)
-          : 0.0,
-      static_cast<long long>(s.pages_evicted), static_cast<long long>(s.hit_tokens));
+      static_cast<long long>(st.pages), static_cast<long long>(stores_with_pages),
+      static_cast<long long>(st.pieces), st.per_page(), static_cast<long long>(ld.pages),
+      static_cast<long long>(ld.pieces), ld.per_page(), static_cast<long long>(s.pages_evicted));
   return 0;
 }
