@@ -14,9 +14,10 @@ namespace hicache::detail {
 
 /// Calls of the CPU copier that move at least this many bytes copy their pages with
 /// copy_streaming; smaller ones, whose destinations the engine may read from the caches, with
-/// memcpy. Copy and read-back together (bench/research/stream_threshold.cpp, 2-core machine):
-/// even at 1 MiB, streaming ahead by 4-8 % at 2 MiB and 5-20 % at 4 MiB; kept at 4 MiB until a
-/// host whose last-level cache keeps a few megabytes is measured (docs/performance.md).
+/// memcpy. Counting the copy and the engine's read-back (bench/research/stream_threshold.cpp,
+/// 2-core machine), the two ways are even at 1 MiB and streaming is ahead by 4-8 % at 2 MiB and
+/// 5-20 % at 4 MiB; kept at 4 MiB until a host whose last-level cache keeps a few megabytes is
+/// measured (docs/performance.md).
 inline constexpr std::size_t kStreamingCallBytes = std::size_t{4} << 20;
 
 /// Copies n bytes from src to dst (not overlapping) with non-temporal stores, the destination's
