@@ -2,14 +2,15 @@
 // store's pages get and a hit's pages sit in, replayed through HostPrefixCache itself (null
 // copier) on a Mooncake-format trace.
 //
-// A GPU store sends each staging window's pages to their host slots as DMA pieces, one piece per
-// run of slots that follow each other in memory once the window is sorted by host address
-// (cpp/cuda/staging_lane.cu); the DMA path does the same per call. Each piece costs the calling
-// thread about 0.4-0.9 us (docs/performance.md, "Where a store of small pages spends its call"),
+// The staged path (the default for layer-major pools) sends each staging window's pages to their
+// host slots as DMA pieces, one piece per run of slots that follow each other in memory once the
+// window is sorted by host address, and loads them the same way (cpp/cuda/staging_lane.cu); the
+// DMA path makes every chunk a piece of its own. Each piece costs the calling thread about
+// 0.4-0.9 us (docs/performance.md, "Where a store of small pages spends its call"),
 // so a store into slots scattered over the pool (the layout grid's shuffled pool: one piece a
 // page) costs up to twice the CPU of one whose slots run together. This counts the pieces each
 // store's and each load's copy calls would need on a trace, for windows of --window pages (0: a
-// whole call); a load's windows are its staging windows, its DMA path's call the same.
+// whole call).
 //
 //   build/<dir>/hicache_bench_slot_runs --trace data/traces/mooncake_conversation_trace.jsonl
 //       [--block-tokens 16] [--capacity-tokens 1000000] [--window 64] [--requests 0]
