@@ -33,24 +33,11 @@
 #include <vector>
 
 #include "hicache/hicache.hpp"
+#include "probe_args.hpp"
 
 namespace {
 
 using namespace hicache;
-
-long arg(int argc, char** argv, const char* name, long fallback) {
-  for (int i = 1; i + 1 < argc; ++i) {
-    if (std::string(argv[i]) == name) return std::strtol(argv[i + 1], nullptr, 10);
-  }
-  return fallback;
-}
-
-std::string arg(int argc, char** argv, const char* name, const char* fallback) {
-  for (int i = 1; i + 1 < argc; ++i) {
-    if (std::string(argv[i]) == name) return argv[i + 1];
-  }
-  return fallback;
-}
 
 struct Request {
   std::int64_t input_length = 0;
@@ -121,6 +108,7 @@ class PieceCounter : public NullCopier {
 }  // namespace
 
 int main(int argc, char** argv) {
+  using probe::arg;
   const std::string path = arg(argc, argv, "--trace", "");
   const long B = arg(argc, argv, "--block-tokens", 16L);
   const long capacity_tokens = arg(argc, argv, "--capacity-tokens", 1'000'000L);

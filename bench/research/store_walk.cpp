@@ -21,26 +21,10 @@
 #include <vector>
 
 #include "hicache/hicache.hpp"
-
-namespace {
-
-long arg(int argc, char** argv, const char* name, long fallback) {
-  for (int i = 1; i + 1 < argc; ++i) {
-    if (std::string(argv[i]) == name) return std::strtol(argv[i + 1], nullptr, 10);
-  }
-  return fallback;
-}
-
-std::string arg(int argc, char** argv, const char* name, const char* fallback) {
-  for (int i = 1; i + 1 < argc; ++i) {
-    if (std::string(argv[i]) == name) return argv[i + 1];
-  }
-  return fallback;
-}
-
-}  // namespace
+#include "probe_args.hpp"
 
 int main(int argc, char** argv) {
+  using probe::arg;
   using namespace hicache;
   const long pages = arg(argc, argv, "--pages", 1024L);
   const long reps = arg(argc, argv, "--reps", 41L);

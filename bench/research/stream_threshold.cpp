@@ -18,13 +18,11 @@
 #include <string>
 #include <vector>
 
+#include "probe_args.hpp"
 #include "stream_copy.hpp"
 
 int main(int argc, char** argv) {
-  long reps = 41;
-  for (int i = 1; i + 1 < argc; ++i) {
-    if (std::string(argv[i]) == "--reps") reps = std::strtol(argv[i + 1], nullptr, 10);
-  }
+  const long reps = probe::arg(argc, argv, "--reps", 41L);
   if (reps < 1) {
     std::fprintf(stderr, "--reps must be >= 1\n");
     return 2;
