@@ -134,8 +134,10 @@ int main(int argc, char** argv) {
   std::int64_t most_pages = 1;
   for (const Request& r : requests) most_pages = std::max(most_pages, r.input_length / B + 1);
 
-  // 256-byte pages: a slot is its page (no tier record), so adjacent slots are 256 bytes apart.
+  // A slot is its page (no tier record, and pages a multiple of the slots' alignment), so
+  // adjacent slots are a page apart.
   constexpr std::size_t kPageBytes = 256;
+  static_assert(kPageBytes % HostPool::kSlotAlign == 0);
   std::vector<std::byte> kv(static_cast<std::size_t>(most_pages) * kPageBytes);  // never touched
   CacheConfig config;
   config.block_tokens = B;
