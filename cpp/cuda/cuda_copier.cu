@@ -266,7 +266,8 @@ class CudaCopier final : public Copier {
     // 0.96-0.99 on pages of 4 MiB and more, against 0.93-0.97 with 4 (BENCHMARKS.md).
     int sms = 0;
     HICACHE_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device_));
-    staged_blocks_ = std::clamp(sms / 4, opt_.max_blocks, 32);
+    // cuda_blocks may ask for more (up to 1024); std::clamp with its bounds crossed is undefined.
+    staged_blocks_ = std::max(opt_.max_blocks, std::min(sms / 4, 32));
   }
 
   void bind(const PageLayout& layout) override {
