@@ -8,7 +8,10 @@ pinned memory, i.e. cudaMemcpyAsync) of the same bytes.
 
 The baseline is the same run of matmuls, back to back, with no copy, measured just before and
 just after each copy run (their mean), so clock and power drift over the benchmark cancel out.
-Prints markdown rows.
+Each variant is measured ``--rounds`` times and reported by its median round (the matmul's
+slowdown swings by a few percent from one round to the next on an H100, a plain copy's too), with
+the rounds' range beside it. ``--staging-mib`` runs the staged and default paths once for each
+staging size (``cuda_staging_bytes``). Prints markdown rows.
 """
 
 from __future__ import annotations
@@ -53,7 +56,19 @@ def main() -> None:
     p.add_argument("--matmuls", type=int, default=200)
     p.add_argument("--paths", type=lambda v: v.split(","), default=["auto", "dma", "staged", "kernel"])
     p.add_argument("--layouts", type=lambda v: v.split(";"), default=list(LAYOUTS))
+    p.add_argument("--rounds", type=int, default=3, help="measurements of each variant (the median is shown)")
+    p.add_argument(
+        "--staging-mib",
+        type=lambda v: [int(x) for x in v.split(",")],
+        default=[64],
+        help="cuda_staging_bytes in MiB for the staged and default paths, one run each",
+    )
     args = p.parse_args()
+    if args.rounds < 1:
+        p.error(f"--rounds must be at least 1, not {args.rounds}")
+    unknown = [name for name in args.layouts if name not in LAYOUTS]
+    if unknown:
+        p.error(f"--layouts: unknown {unknown}; known: {list(LAYOUTS)}")
     dev = torch.device("cuda")
     main_s, side = torch.cuda.current_stream(), torch.cuda.Stream()
     x = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
@@ -104,11 +119,10 @@ def run_layout(args, dev, main_s, side, x, nseg: int, chunk: int, n: int) -> Non
         # Made in the timed call, an arange and an add of 131K tokens took ~16 ms each the first
         # six times in a process on a 2-core machine (then 0.1 ms), and on an H100 host
         # 1024-page stores timed alone ran at 10.9 GB/s, where bench/layouts.py (prompts made
-        # before the call) stores the same pages at 0.93 of the link. A run stores 10 alone and
+        # before the call) stores the same pages at 0.93 of the link. A round stores 10 alone and
         # at most stores_in_flight - 1 beside the matmuls.
-        fresh = iter(
-            [torch.arange(n * B + 1, dtype=torch.int32) + k * 10**7 for k in range(1, 10 + stores_in_flight)]
-        )
+        count = args.rounds * (10 + stores_in_flight)
+        fresh = iter([torch.arange(n * B + 1, dtype=torch.int32) + k * 10**7 for k in range(1, 1 + count)])
 
         def load() -> None:
             got = loads.try_resume("l", prompts[0], lambda k: target[: k // B], stream=side)
@@ -144,13 +158,19 @@ def run_layout(args, dev, main_s, side, x, nseg: int, chunk: int, n: int) -> Non
     # Each group's caches (up to 18 GiB of pinned memory) live only while the group runs.
     groups: list[Callable[[], list[tuple[str, Callable[[], None], hicache.HostPrefixCache | None]]]] = [
         *[
-            lambda path=path: variants("default" if path == "auto" else path, cuda_path=path)
+            lambda path=path, mib=mib: variants(
+                ("default" if path == "auto" else path)
+                + (f", {mib} MiB staging" if path != "dma" and len(args.staging_mib) > 1 else ""),
+                cuda_path=path,
+                cuda_staging_bytes=mib << 20,
+            )
             for path in args.paths
+            for mib in (args.staging_mib if path in ("auto", "staged") else args.staging_mib[:1])
         ],
         dma_runs,
     ]
 
-    def run(name: str, fn: Callable[[], None], cache: hicache.HostPrefixCache | None) -> tuple:
+    def one_round(name: str, fn: Callable[[], None], cache: hicache.HostPrefixCache | None) -> tuple:
         copy_alone = timed(side, fn, 10)
         torch.cuda.synchronize()
         if cache is not None:
@@ -170,7 +190,12 @@ def run_layout(args, dev, main_s, side, x, nseg: int, chunk: int, n: int) -> Non
             cache.poll()
         after = matmuls()
         base = (per_mm_alone + after) / 2
-        return (name, batch_bytes / (copy_alone * 1e6), copy_bw, base, per_mm / base - 1)
+        return (batch_bytes / (copy_alone * 1e6), copy_bw, base, per_mm / base - 1)
+
+    def run(name: str, fn: Callable[[], None], cache: hicache.HostPrefixCache | None) -> tuple:
+        rounds = sorted((one_round(name, fn, cache) for _ in range(args.rounds)), key=lambda r: r[3])
+        bw_alone, bw, base, slow = rounds[len(rounds) // 2]
+        return (name, bw_alone, bw, base, slow, rounds[0][3], rounds[-1][3])
 
     rows = []
     for group in groups:
@@ -185,12 +210,13 @@ def run_layout(args, dev, main_s, side, x, nseg: int, chunk: int, n: int) -> Non
     )
     print(
         "| copy on a side stream | alone GB/s | beside the matmul GB/s | of alone | matmul ms alone "
-        "| matmul slowdown |"
+        f"| matmul slowdown (median of {args.rounds}) | the rounds' range |"
     )
-    print("| --- | --- | --- | --- | --- | --- |")
-    for name, bw_alone, bw, base, slow in rows:
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for name, bw_alone, bw, base, slow, lo, hi in rows:
         print(
-            f"| {name} | {bw_alone:.1f} | {bw:.1f} | {bw / bw_alone:.2f} | {base:.3f} | {slow * 100:+.1f} % |"
+            f"| {name} | {bw_alone:.1f} | {bw:.1f} | {bw / bw_alone:.2f} | {base:.3f} | {slow * 100:+.1f} % "
+            f"| {lo * 100:+.1f} % to {hi * 100:+.1f} % |"
         )
     sys.stdout.flush()
 
