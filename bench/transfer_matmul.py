@@ -11,7 +11,8 @@ just after each copy run (their mean), so clock and power drift over the benchma
 Each variant is measured ``--rounds`` times and reported by its median round (the matmul's
 slowdown swings by a few percent from one round to the next on an H100, a plain copy's too), with
 the rounds' range beside it. ``--staging-mib`` runs the staged and default paths once for each
-staging size (``cuda_staging_bytes``). Prints markdown rows.
+staging size (``cuda_staging_bytes``), ``--cuda-blocks`` every path but DMA once for each CTA
+count. Prints markdown rows.
 """
 
 from __future__ import annotations
@@ -62,6 +63,13 @@ def main() -> None:
         type=lambda v: [int(x) for x in v.split(",")],
         default=[64],
         help="cuda_staging_bytes in MiB for the staged and default paths, one run each",
+    )
+    p.add_argument(
+        "--cuda-blocks",
+        type=lambda v: [int(x) for x in v.split(",")],
+        default=[],
+        help="cuda_blocks for every path but dma, one run each (default: the option's default); "
+        "the staged path takes at least min(SMs / 4, 32)",
     )
     args = p.parse_args()
     if args.rounds < 1:
@@ -155,17 +163,28 @@ def run_layout(args, dev, main_s, side, x, nseg: int, chunk: int, n: int) -> Non
     def dma_runs() -> list[tuple[str, Callable[[], None], hicache.HostPrefixCache | None]]:
         return [("cudaMemcpyAsync H2D", dma_h2d, None), ("cudaMemcpyAsync D2H", dma_d2h, None)]
 
+    def stagings(path: str) -> list[int]:
+        return args.staging_mib if path in ("auto", "staged") else args.staging_mib[:1]
+
+    def ctas_of(path: str) -> list[int | None]:
+        return [None] if path == "dma" or not args.cuda_blocks else list(args.cuda_blocks)
+
     # Each group's caches (up to 18 GiB of pinned memory) live only while the group runs.
     groups: list[Callable[[], list[tuple[str, Callable[[], None], hicache.HostPrefixCache | None]]]] = [
         *[
-            lambda path=path, mib=mib: variants(
-                ("default" if path == "auto" else path)
-                + (f", {mib} MiB staging" if path != "dma" and len(args.staging_mib) > 1 else ""),
+            lambda path=path, mib=mib, ctas=ctas: variants(
+                ", ".join(
+                    ["default" if path == "auto" else path]
+                    + ([f"{mib} MiB staging"] if len(stagings(path)) > 1 else [])
+                    + ([f"cuda_blocks={ctas}"] if len(ctas_of(path)) > 1 else [])
+                ),
                 cuda_path=path,
                 cuda_staging_bytes=mib << 20,
+                **({} if ctas is None else {"cuda_blocks": ctas}),
             )
             for path in args.paths
-            for mib in (args.staging_mib if path in ("auto", "staged") else args.staging_mib[:1])
+            for mib in stagings(path)
+            for ctas in ctas_of(path)
         ],
         dma_runs,
     ]
