@@ -12,8 +12,9 @@
 #   sanitize    memcheck, racecheck, synccheck, initcheck over the GPU GoogleTests; memcheck over
 #               the GPU pytest file
 #   bench       bench/layouts.py (every layout through the Python API, default options), its
-#               --cpu-cost mode, bench/research/small_pages.py (where a small-page call's time goes),
-#               bench/transfer_matmul.py (copies beside a bf16 matmul)
+#               --cpu-cost mode, bench/research/small_pages.py (where a small-page call's time goes)
+#   matmul      bench/transfer_matmul.py (copies beside a bf16 matmul, every path, three rounds),
+#               then the staged path's staging size and CTA count beside it (MATMUL_STAGED=0: not)
 #   paths       bench/layouts.py with every copy path forced (each path's limit per layout)
 #   engines     bench/layouts.py --engines: engines' own pools (16-64-token blocks), default
 #               options, 16 MiB of staging, and the DMA path
@@ -46,7 +47,7 @@
 #   soak-start  start bench/soak.py --device cuda detached (setsid), so it outlives this call
 #               (a call may run 10 minutes at most); later steps run beside it
 #   soak-wait   wait for it (in a later call on the same warm machine) and keep its log
-#   all         build test sanitize bench demo
+#   all         build test sanitize bench matmul demo
 #
 # The device tool brings back at most 8 files from $OUT: every log goes to $LOGS and is packed
 # into $OUT/logs.tgz after each step (so a call cut off at its time limit still returns them);
@@ -86,7 +87,7 @@ stop_master() { kill $master_pid; wait $master_pid 2>/dev/null; }
 soak_dir=/tmp/hicache-soak
 steps=("$@")
 [ ${#steps[@]} = 0 ] && steps=(all)
-[ "${steps[*]}" = all ] && steps=(build test sanitize bench demo)
+[ "${steps[*]}" = all ] && steps=(build test sanitize bench matmul demo)
 
 for step in "${steps[@]}"; do
 case $step in
@@ -145,8 +146,16 @@ bench)
   cp "$LOGS/bench-cpu-cost.log" "$OUT/bench_cpu_cost.md"
   run bench-small-pages python3 bench/research/small_pages.py
   cp "$LOGS/bench-small-pages.log" "$OUT/bench_small_pages.md"
-  run bench-matmul python3 bench/transfer_matmul.py --paths auto,dma,staged,kernel
+  ;;
+matmul)
+  # Every layout on every path, three rounds each (~7 minutes: a call of its own); then the
+  # staged path on MLA's pool at 16 and 64 MiB of staging and at 32 and 132 CTAs, beside the
+  # same copy staged with torch alone (what any staging costs the matmul).
+  run bench-matmul python3 bench/transfer_matmul.py --paths auto,dma,staged,kernel --rounds 3
   cp "$LOGS/bench-matmul.log" "$OUT/bench_matmul.md"
+  [ "${MATMUL_STAGED:-1}" = 1 ] && run bench-matmul-staged python3 bench/transfer_matmul.py \
+    --paths staged --staging-mib 16,64 --cuda-blocks 4,132 --layouts "MLA, 61 x 144 KiB" --rounds 3 &&
+    cp "$LOGS/bench-matmul-staged.log" "$OUT/bench_matmul_staged.md"
   ;;
 engines)
   # Engines' own pools (16-, 32-, 64-token blocks of four model shapes): the default options,
