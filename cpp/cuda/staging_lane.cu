@@ -55,7 +55,8 @@ void StagingLane::dma(Direction dir, std::span<const PageMove> moves, char* wind
   for (std::size_t i = 0; i < moves.size(); ++i) {
     char* host = reinterpret_cast<char*>(moves[i].host);
     char* stage = window + i * bytes;
-    // Host slots that follow each other in memory become one piece.
+    // Host slots that follow each other in memory become one piece. Such slots lie in one pool
+    // chunk (HostPool::kChunkGap), so the piece stays within one pinned allocation.
     const bool joins =
         !sizes_.empty() &&
         static_cast<char*>(dir == Direction::kToHost ? dst_.back() : src_.back()) + sizes_.back() ==

@@ -110,7 +110,9 @@ HostPool::HostPool(std::size_t slot_bytes, std::int64_t num_slots, std::size_t c
     allocate_now(c);
     if (chunks_[c].state == State::kFailed) {
       const std::string why = chunks_[c].failure;
-      for (std::size_t d = 0; d < c; ++d) allocator_->deallocate(chunks_[d].data, chunk_size(d));
+      for (std::size_t d = 0; d < c; ++d) {
+        allocator_->deallocate(chunks_[d].data, allocation_size(d));
+      }
       chunks_.clear();
       throw Error("allocating the host pool failed at chunk " + std::to_string(c) + " of " +
                   std::to_string(num_chunks_) + ": " + why);
@@ -127,7 +129,7 @@ HostPool::~HostPool() {
   cv_.notify_all();
   if (thread_.joinable()) thread_.join();
   for (std::size_t c = 0; c < chunks_.size(); ++c) {
-    if (chunks_[c].data != nullptr) allocator_->deallocate(chunks_[c].data, chunk_size(c));
+    if (chunks_[c].data != nullptr) allocator_->deallocate(chunks_[c].data, allocation_size(c));
   }
 }
 
@@ -151,10 +153,9 @@ void HostPool::ready(Chunk& ch, std::byte* data, std::size_t bytes) {
 }
 
 void HostPool::allocate_now(std::size_t c) {
-  const std::size_t bytes = chunk_size(c);
   Chunk& ch = chunk(c);
   try {
-    ready(ch, static_cast<std::byte*>(allocator_->allocate(bytes)), bytes);
+    ready(ch, static_cast<std::byte*>(allocator_->allocate(allocation_size(c))), chunk_size(c));
   } catch (const std::exception& e) {
     ch.state = State::kFailed;
     ch.failure = e.what();
@@ -186,7 +187,7 @@ bool HostPool::next_job(std::size_t& c) {
   if (sweep_next_ >= num_chunks_) return false;
   // Too little memory left: wait and look again (memory may be freed, and some VMs grow their
   // memory as it is used); meanwhile a slot asked for still gets its chunk.
-  sweep_waiting_ = !allocator_->room_for(chunk_size(sweep_next_));
+  sweep_waiting_ = !allocator_->room_for(allocation_size(sweep_next_));
   if (sweep_waiting_) {
     if (waiting_note_.empty()) waiting_note_ = allocator_->memory_report();  // once a pause
     return false;
@@ -211,12 +212,12 @@ void HostPool::worker() {
     }
     if (stopping_) return;  // checked before any job is taken: none is left half done
     busy_ = true;
-    const std::size_t bytes = chunk_size(c);
+    const std::size_t bytes = chunk_size(c), allocation = allocation_size(c);
     lock.unlock();  // the allocation takes tens of milliseconds: never under the lock
     std::byte* p = nullptr;
     std::string err;
     try {
-      p = static_cast<std::byte*>(allocator_->allocate(bytes));
+      p = static_cast<std::byte*>(allocator_->allocate(allocation));
     } catch (const std::exception& e) {
       err = e.what();
     }

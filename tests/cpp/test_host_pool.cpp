@@ -328,3 +328,65 @@ TEST(HostPool, TheAlignedAllocatorMapsLargeChunksOnHugePageBoundaries) {
   small[9999] = 1;
   alloc->deallocate(small, 10000);
 }
+
+namespace {
+
+// Hands out one buffer end to end, each allocation starting where the last one ended (as mmap
+// does in a bottom-up address-space layout), and remembers what it was asked for.
+class EndToEndAllocator : public hicache::HostAllocator {
+ public:
+  void* allocate(std::size_t bytes) override {
+    if (used + bytes > buffer.size()) throw hicache::Error("end-to-end buffer exhausted");
+    void* p = buffer.data() + used;
+    used += bytes;
+    asked.push_back(bytes);
+    return p;
+  }
+  void deallocate(void*, std::size_t bytes) noexcept override { returned.push_back(bytes); }
+  const char* name() const override { return "end to end"; }
+  std::vector<std::byte> buffer = std::vector<std::byte>(1 << 20);
+  std::size_t used = 0;
+  std::vector<std::size_t> asked, returned;
+};
+
+}  // namespace
+
+// The staged path joins host slots that follow each other in memory into one DMA piece; a piece
+// across two chunks would span two pinned registrations. However the allocator places chunks,
+// the pool leaves kChunkGap bytes after each chunk's last slot, so no slot of one chunk ends
+// where a slot of another begins.
+TEST(HostPool, NoSlotOfOneChunkEndsWhereASlotOfAnotherBegins) {
+  auto alloc = std::make_shared<EndToEndAllocator>();
+  {
+    // Negative control: this allocator does place allocations end to end.
+    auto* a = static_cast<std::byte*>(alloc->allocate(2048));
+    auto* b = static_cast<std::byte*>(alloc->allocate(2048));
+    ASSERT_EQ(a + 2048, b);
+    alloc->deallocate(a, 2048);
+    alloc->deallocate(b, 2048);
+  }
+  alloc->asked.clear();
+  alloc->returned.clear();
+  {
+    hicache::HostPool pool(1000, 10, 2048, alloc);  // stride 1024: 2 slots a chunk, 5 chunks
+    ASSERT_EQ(pool.slot_stride(), 1024u);
+    std::vector<std::byte*> slots;
+    for (std::int64_t i = 0; i < 10; ++i) slots.push_back(pool.slot(i));
+    for (std::int64_t i = 0; i < 10; ++i) {
+      for (std::int64_t j = 0; j < 10; ++j) {
+        if (i / 2 == j / 2) continue;  // the same chunk: adjacent slots are expected there
+        EXPECT_NE(slots[i] + pool.slot_stride(), slots[j]) << "slot " << i << " runs into " << j;
+      }
+    }
+    EXPECT_EQ(slots[1], slots[0] + 1024);           // within a chunk, slots still follow each other
+    EXPECT_EQ(pool.allocated_bytes(), 10u * 1024);  // the pool's bytes: the gaps are not slots
+    ASSERT_EQ(alloc->asked.size(), 5u);
+    for (std::size_t bytes : alloc->asked) {
+      EXPECT_EQ(bytes, 2048 + hicache::HostPool::kChunkGap);
+    }
+  }
+  ASSERT_EQ(alloc->returned.size(), 5u);  // each chunk given back with the size it was asked
+  for (std::size_t bytes : alloc->returned) {
+    EXPECT_EQ(bytes, 2048 + hicache::HostPool::kChunkGap);
+  }
+}
