@@ -13,6 +13,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import uuid
 from pathlib import Path
 
@@ -51,8 +52,16 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def run(model_dir: Path, mode: str, corrupt: bool = False, tp: int = 1, engine_id: str = "") -> dict:
+    # vLLM names its ZMQ sockets ipc://<VLLM_RPC_BASE_PATH>/<uuid>, the system's temporary
+    # directory by default, and leaves them there: each run gets a directory that goes with it.
+    with tempfile.TemporaryDirectory(prefix="hicache-vllm-rpc-") as rpc:
+        return run_in(model_dir, mode, corrupt, tp, engine_id, rpc)
+
+
+def run_in(model_dir: Path, mode: str, corrupt: bool, tp: int, engine_id: str, rpc: str) -> dict:
     env = {
         **os.environ,
+        "VLLM_RPC_BASE_PATH": rpc,
         "HICACHE_TEST_ENGINE_ID": engine_id,
         "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # the scheduler in this process: its counters readable
         "VLLM_CPU_KVCACHE_SPACE": "1",
