@@ -389,4 +389,14 @@ TEST(HostPool, NoSlotOfOneChunkEndsWhereASlotOfAnotherBegins) {
   for (std::size_t bytes : alloc->returned) {
     EXPECT_EQ(bytes, 2048 + hicache::HostPool::kChunkGap);
   }
+  // A pool of one chunk has no other chunk to touch: it asks for its bytes alone (a shared
+  // region's size, which every process attaching to it checks, stays the pool's).
+  alloc->asked.clear();
+  alloc->returned.clear();
+  {
+    hicache::HostPool one(1000, 4, 1 << 20, alloc);
+    one.slot(3);
+  }
+  EXPECT_EQ(alloc->asked, std::vector<std::size_t>{4096});
+  EXPECT_EQ(alloc->returned, std::vector<std::size_t>{4096});
 }

@@ -64,12 +64,14 @@ std::shared_ptr<HostAllocator> make_aligned_host_allocator();
 class HostPool {
  public:
   static constexpr std::size_t kSlotAlign = 256;
-  /// Bytes each chunk's allocation holds after its last slot, never handed out, so that no slot
-  /// of one chunk ends where a slot of another begins, whatever the allocator and however the
-  /// kernel lays out mappings (a bottom-up layout, as under `ulimit -s unlimited`, puts a
-  /// mapping right after the one before). Copiers join slots that follow each other into one
-  /// DMA piece (the staged path), and a piece must not span two pinned registrations. The cost:
-  /// a chunk whose slots fill whole huge pages maps one more (2 MiB a 1 GiB chunk, 0.2 %).
+  /// In a pool of several chunks, bytes each chunk's allocation holds after its last slot, never
+  /// handed out, so that no slot of one chunk ends where a slot of another begins, whatever the
+  /// allocator and however the kernel lays out mappings (a bottom-up layout, as under `ulimit -s
+  /// unlimited`, puts a mapping right after the one before). Copiers join a call's slots that
+  /// follow each other into one DMA piece (the staged path; a call's slots are one pool's), and
+  /// a piece must not span two pinned registrations. A pool of one chunk (a shared region's)
+  /// allocates its bytes alone. The cost: a chunk whose slots fill whole huge pages maps one
+  /// more (2 MiB a 1 GiB chunk, 0.2 %).
   static constexpr std::size_t kChunkGap = kSlotAlign;
   enum class Growth { kOnDemand, kBackground, kUpFront };
 
@@ -142,7 +144,9 @@ class HostPool {
     std::string failure;
   };
   std::size_t chunk_size(std::size_t c) const;  // its slots' bytes
-  std::size_t allocation_size(std::size_t c) const { return chunk_size(c) + kChunkGap; }
+  std::size_t allocation_size(std::size_t c) const {
+    return chunk_size(c) + (num_chunks_ > 1 ? kChunkGap : 0);
+  }
   Chunk& chunk(std::size_t c);       // grows chunks_ to hold c; caller holds mu_
   void allocate_now(std::size_t c);  // caller holds mu_
   void ready(Chunk& ch, std::byte* data, std::size_t bytes);  // caller holds mu_
