@@ -19,6 +19,7 @@
 #include "hicache/shared_region.hpp"
 #include "hicache/slot_mover.hpp"
 #include "hicache/trace_replay.hpp"
+#include "shared_region_lock.hpp"
 
 namespace {
 
@@ -238,6 +239,7 @@ TEST(FirstRepeat, FindsTheFirstRepeatedIdAsASetWould) {
 }
 
 TEST(SlotMover, TwoProcessesSharingHostMemorySeeEachOthersSlots) {
+  const SharedRegionTestLock lock;  // its region's creation sweeps dead ones: none beside it
   const std::string name = "hicache-test-" + std::to_string(::getpid());
   Engine eng;
   std::iota(eng.k.begin(), eng.k.end(), 7);

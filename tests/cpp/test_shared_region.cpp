@@ -18,6 +18,7 @@
 
 #include "hicache/error.hpp"
 #include "hicache/shared_region.hpp"
+#include "shared_region_lock.hpp"
 
 namespace {
 
@@ -83,6 +84,7 @@ int wait_signal(pid_t pid) {
 }  // namespace
 
 TEST(SharedRegion, OneCreatorAttachersOfTheSameOwnerAndLayoutOnly) {
+  const SharedRegionTestLock lock;
   const std::string name = unique_name();
   auto owner = hicache::make_shared_region_allocator(region(name, true));
   auto* data = static_cast<std::uint8_t*>(owner->allocate(4 * 4096));
@@ -113,6 +115,7 @@ TEST(SharedRegion, OneCreatorAttachersOfTheSameOwnerAndLayoutOnly) {
 }
 
 TEST(SharedRegion, AnAttacherWaitsForItsCreatorAndGivesUpWithAReason) {
+  const SharedRegionTestLock lock;
   const std::string name = unique_name();
   std::thread late([&] {
     std::this_thread::sleep_for(std::chrono::milliseconds(100));
@@ -130,6 +133,7 @@ TEST(SharedRegion, AnAttacherWaitsForItsCreatorAndGivesUpWithAReason) {
 }
 
 TEST(SharedRegion, AKilledCreatorsRegionIsReclaimedAndRefusedToAttachers) {
+  const SharedRegionTestLock lock;
   const std::string name = unique_name();
   const pid_t child = child_holding_a_region(name, [] {});
   ASSERT_GT(child, 0);
@@ -148,6 +152,7 @@ TEST(SharedRegion, AKilledCreatorsRegionIsReclaimedAndRefusedToAttachers) {
 }
 
 TEST(SharedRegion, ANewCreatorReplacesTheRegionOfADeadOne) {
+  const SharedRegionTestLock lock;
   const std::string name = unique_name();
   const pid_t child = child_holding_a_region(name, [] {});
   ASSERT_GT(child, 0);
@@ -158,6 +163,7 @@ TEST(SharedRegion, ANewCreatorReplacesTheRegionOfADeadOne) {
 }
 
 TEST(SharedRegion, SigtermRemovesTheRegionThenActsAsBefore) {
+  const SharedRegionTestLock lock;
   // With the default action: removed, and the process still dies of SIGTERM.
   const std::string name = unique_name();
   pid_t child = child_holding_a_region(name, [] {});
@@ -175,6 +181,7 @@ TEST(SharedRegion, SigtermRemovesTheRegionThenActsAsBefore) {
 }
 
 TEST(SharedRegion, AnExitWithoutFreeingItRemovesItButUnderscoreExitDoesNot) {
+  const SharedRegionTestLock lock;
   for (const bool clean : {true, false}) {
     const std::string name = unique_name();
     std::fflush(nullptr);  // the child must not print what the parent buffered
@@ -191,4 +198,20 @@ TEST(SharedRegion, AnExitWithoutFreeingItRemovesItButUnderscoreExitDoesNot) {
     hicache::reclaim_shared_regions();
     EXPECT_FALSE(exists(name));
   }
+}
+
+// The lock the region tests hold (shared_region_lock.hpp) keeps a second holder out until the
+// first lets go: without it, a test creating a region beside one that left a killed creator's
+// region to inspect swept it away (seen under ctest -j2).
+TEST(SharedRegionTestLock, KeepsASecondHolderOutUntilTheFirstLetsGo) {
+  const int other = ::open(SharedRegionTestLock::kPath, O_RDONLY | O_CREAT | O_CLOEXEC, 0644);
+  ASSERT_GE(other, 0);
+  {
+    const SharedRegionTestLock lock;
+    ASSERT_TRUE(lock.held());
+    EXPECT_NE(::flock(other, LOCK_EX | LOCK_NB), 0);
+    EXPECT_EQ(errno, EWOULDBLOCK);
+  }
+  EXPECT_EQ(::flock(other, LOCK_EX | LOCK_NB), 0);  // negative control: free once released
+  ::close(other);
 }

@@ -22,7 +22,10 @@ from hicache import _core
 
 PAGE = 4096
 
-pytestmark = pytest.mark.skipif(not Path("/dev/shm").is_dir(), reason="no /dev/shm")
+pytestmark = [
+    pytest.mark.skipif(not Path("/dev/shm").is_dir(), reason="no /dev/shm"),
+    pytest.mark.usefixtures("shared_region_lock"),
+]
 
 
 def name() -> str:

@@ -32,6 +32,7 @@ def _reader(name: str, slots: list[int], seed: int, out: mp.Queue) -> None:
     out.put((os.getpid(), bool(np.array_equal(kv, want))))
 
 
+@pytest.mark.usefixtures("shared_region_lock")
 def test_workers_in_other_processes_load_what_one_stored_and_the_pool_exists_once() -> None:
     name = f"hicache-pytest-{os.getpid()}"
     seed = 3
@@ -63,6 +64,7 @@ def test_workers_in_other_processes_load_what_one_stored_and_the_pool_exists_onc
     catalog.complete_load(keys)
 
 
+@pytest.mark.usefixtures("shared_region_lock")
 def test_a_process_mapping_a_pool_of_another_size_is_refused() -> None:
     name = f"hicache-pytest-size-{os.getpid()}"
     kv = np.zeros((2, PAGE), np.uint8)
