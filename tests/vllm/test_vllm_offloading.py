@@ -52,29 +52,24 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def run(model_dir: Path, mode: str, corrupt: bool = False, tp: int = 1, engine_id: str = "") -> dict:
-    # vLLM names its ZMQ sockets ipc://<VLLM_RPC_BASE_PATH>/<uuid>, the system's temporary
-    # directory by default, and leaves them there: each run gets a directory that goes with it.
-    with tempfile.TemporaryDirectory(prefix="hicache-vllm-rpc-") as rpc:
-        return run_in(model_dir, mode, corrupt, tp, engine_id, rpc)
-
-
-def run_in(model_dir: Path, mode: str, corrupt: bool, tp: int, engine_id: str, rpc: str) -> dict:
     env = {
         **os.environ,
-        "VLLM_RPC_BASE_PATH": rpc,
         "HICACHE_TEST_ENGINE_ID": engine_id,
         "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # the scheduler in this process: its counters readable
         "VLLM_CPU_KVCACHE_SPACE": "1",
         "VLLM_CPU_OMP_THREADS_BIND": "|".join(str(i % (os.cpu_count() or 1)) for i in range(tp)),
         "HICACHE_TEST_CORRUPT": "1" if corrupt else "0",
     }
-    out = subprocess.run(
-        [sys.executable, str(HERE / "run_vllm.py"), str(model_dir), mode, str(tp)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=900,
-    )
+    # vLLM names its ZMQ sockets ipc://<VLLM_RPC_BASE_PATH>/<uuid>, the system's temporary
+    # directory by default, and leaves them there: each run gets a directory that goes with it.
+    with tempfile.TemporaryDirectory(prefix="hicache-vllm-rpc-") as rpc:
+        out = subprocess.run(
+            [sys.executable, str(HERE / "run_vllm.py"), str(model_dir), mode, str(tp)],
+            capture_output=True,
+            text=True,
+            env={**env, "VLLM_RPC_BASE_PATH": rpc},
+            timeout=900,
+        )
     assert out.returncode == 0, out.stderr[-4000:]
     # worker processes (TP > 1) may print too: the result is the line run_vllm.py writes
     line = next(x for x in reversed(out.stdout.splitlines()) if x.startswith('{"mode"'))
