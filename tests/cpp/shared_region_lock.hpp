@@ -4,7 +4,7 @@
 // lose that region to a test creating one beside it: ctest runs two at once, and another
 // checkout's run may share the machine. Tests that create regions hold this lock, a flock on one
 // file for the whole machine, so none runs beside another; the Python tests take the same one
-// (tests/py/conftest.py, shared_region_lock). A forked child inherits it and drops it as it dies.
+// (tests/conftest.py, shared_region_lock). A forked child inherits it and drops it as it dies.
 #include <fcntl.h>
 #include <sys/file.h>
 #include <unistd.h>

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import fcntl
 import gc
-import os
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -26,23 +24,6 @@ requires_gpu = pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU and a CU
 @pytest.fixture
 def rng() -> np.random.Generator:
     return np.random.default_rng(1234)
-
-
-SHARED_REGION_LOCK = "/tmp/hicache-tests-shared-regions.lock"
-
-
-@pytest.fixture
-def shared_region_lock() -> Iterator[None]:
-    """Held by tests that create shared regions. Creating one sweeps every region on the machine
-    whose creator died, so a test that leaves a killed process's region to look at it could lose
-    it to a region test beside it (another checkout's run). The C++ region tests hold the same
-    flock (tests/cpp/shared_region_lock.hpp)."""
-    fd = os.open(SHARED_REGION_LOCK, os.O_RDONLY | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)
 
 
 def assert_freed_by_refcount(use: Callable[[], hicache.HostPrefixCache]) -> None:

@@ -104,6 +104,7 @@ def test_the_negative_control_scrambling_loads_changes_outputs(model_dir: Path, 
     print(f"\nscrambled loads: {differ} of {len(plain['outputs'])} outputs changed")
 
 
+@pytest.mark.usefixtures("shared_region_lock")  # its engines create regions (tests/conftest.py)
 def test_two_tensor_parallel_workers_with_shared_memory_slots(model_dir: Path, plain: dict) -> None:
     # hicache's spec as shipped, with shared_memory: vLLM's two CPU workers (TP=2) each copy their
     # half of every block between their KV shard and their slots in /dev/shm, while the one
