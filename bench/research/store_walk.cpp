@@ -2,9 +2,12 @@
 // pool of one-page prompts stored in random order (the layout grid's pool), so that every page a
 // store inserts evicts one whose entry, table slots and token buffer no recent call touched.
 // Nothing is copied: the time is the call's hashing (on its threads), walk and bookkeeping.
+// --fill-prompt-pages N fills the pool with prompts of N pages instead (chains, as an engine's
+// conversations leave it), stored in random order, so that the stores evict chains' leaves.
 //
 //   build/<dir>/hicache_bench_store_walk [--pages 1024] [--reps 41] [--block-tokens 16]
 //                                        [--pool-pages 65536] [--admission adaptive|always]
+//                                        [--fill-prompt-pages 1]
 //
 // Prints the best and the median of the stores, in ms. Built with -DHICACHE_BUILD_BENCH=ON (no
 // CUDA needed). For an A/B, link the same file against each build's library and run them in
@@ -30,29 +33,36 @@ int main(int argc, char** argv) {
   const long B = arg(argc, argv, "--block-tokens", 16L);
   const long pool = std::max(arg(argc, argv, "--pool-pages", 65536L), pages);
   const std::string admission = arg(argc, argv, "--admission", "adaptive");
-  if (pages < 1 || reps < 1 || B < 1) {
-    std::fprintf(stderr, "--pages, --reps and --block-tokens must be >= 1\n");
+  const long fill = arg(argc, argv, "--fill-prompt-pages", 1L);
+  if (pages < 1 || reps < 1 || B < 1 || fill < 1 || fill > pool) {
+    std::fprintf(stderr,
+                 "--pages, --reps, --block-tokens and --fill-prompt-pages must be >= 1, and "
+                 "--fill-prompt-pages at most --pool-pages\n");
     return 2;
   }
 
-  std::vector<std::byte> kv(static_cast<std::size_t>(pages) * 256);  // never touched
+  const long engine_blocks = std::max(pages, fill);
+  std::vector<std::byte> kv(static_cast<std::size_t>(engine_blocks) * 256);  // never touched
   CacheConfig config;
   config.block_tokens = B;
   config.capacity_pages = pool;
   config.admission = parse_admission(admission);
-  HostPrefixCache cache({Segment{kv.data(), pages, 256, 256}}, Device{}, config,
+  HostPrefixCache cache({Segment{kv.data(), engine_blocks, 256, 256}}, Device{}, config,
                         std::make_shared<NullCopier>());
-  std::vector<std::int64_t> blocks(static_cast<std::size_t>(pages));
+  std::vector<std::int64_t> blocks(static_cast<std::size_t>(engine_blocks));
   std::iota(blocks.begin(), blocks.end(), 0);
 
-  std::vector<long> order(static_cast<std::size_t>(pool));
+  std::vector<long> order(static_cast<std::size_t>(pool / fill));
   std::iota(order.begin(), order.end(), 0L);
   std::shuffle(order.begin(), order.end(), std::mt19937(1));
-  std::vector<std::int32_t> one(static_cast<std::size_t>(B));
+  std::vector<std::int32_t> one(static_cast<std::size_t>(fill * B));
   for (long k : order) {
-    for (long t = 0; t < B; ++t) one[static_cast<std::size_t>(t)] = static_cast<int>(k * B + t);
-    cache.store("fill", one, std::span(blocks).first(1));
+    for (std::size_t t = 0; t < one.size(); ++t) {
+      one[t] = static_cast<int>(k * fill * B + static_cast<long>(t));
+    }
+    cache.store("fill", one, std::span(blocks).first(static_cast<std::size_t>(fill)));
     cache.poll();
+    cache.forget("fill");
   }
 
   std::vector<double> ms;
@@ -62,7 +72,7 @@ int main(int argc, char** argv) {
       prompt[t] = static_cast<std::int32_t>(1'000'000'000 + (r % 100) * 10'000'000 + t);
     }
     const auto t0 = std::chrono::steady_clock::now();
-    cache.store("s", prompt, blocks);
+    cache.store("s", prompt, std::span(blocks).first(static_cast<std::size_t>(pages)));
     const auto t1 = std::chrono::steady_clock::now();
     cache.poll();
     cache.forget("s");
@@ -76,9 +86,9 @@ int main(int argc, char** argv) {
   }
   std::sort(ms.begin(), ms.end());
   std::printf(
-      "%ld pages of %ld tokens into a full pool of %ld one-page prompts (%s): best %.3f "
+      "%ld pages of %ld tokens into a full pool of %ld %ld-page prompts (%s): best %.3f "
       "median %.3f ms (%.2f us a page)\n",
-      pages, B, pool, admission.c_str(), ms.front(), ms[ms.size() / 2],
+      pages, B, pool / fill, fill, admission.c_str(), ms.front(), ms[ms.size() / 2],
       1e3 * ms[ms.size() / 2] / static_cast<double>(pages));
   return 0;
 }

@@ -155,6 +155,30 @@ TEST(ChildCounts, MatchesAMapOverRandomAddsAndRemoves) {
   for (std::uint64_t p = 0; p < 3000; ++p) ASSERT_FALSE(counts.contains(p));
 }
 
+TEST(ChildCounts, ConsecutiveParentsMakeNoLongRuns) {
+  // Serials are handed out in order, so a cache's live parents are mostly consecutive: here a
+  // window of 5000 (a chain each, as conversations leave a pool), sliding as new pages arrive,
+  // and an interior parent removed for each one added, as LRU eviction does. A run of occupied
+  // slots is what a removal shifts back and a miss probes; placed by their low bits, consecutive
+  // serials made one run as long as the window, and every removal scanned it.
+  std::mt19937_64 rng(11);
+  hicache::ChildCounts counts;
+  std::vector<std::uint64_t> live;
+  for (std::uint64_t serial = 1; serial <= 200000; ++serial) {
+    counts.add(serial);
+    live.push_back(serial);
+    if (live.size() > 5000) {
+      const std::size_t victim = rng() % live.size();
+      counts.remove(live[victim]);
+      live[victim] = live.back();
+      live.pop_back();
+    }
+  }
+  EXPECT_EQ(counts.size(), live.size());
+  for (std::uint64_t s : live) ASSERT_TRUE(counts.contains(s));
+  EXPECT_LT(counts.longest_run(), 32u) << "with " << counts.size() << " parents";
+}
+
 // Pages found by content are filed under a fingerprint of their tokens: different pages should
 // get different fingerprints (a shared one is safe, since callers compare tokens, but makes the
 // second page a keyed lookup). Prompts' pages (runs of consecutive token ids), pages one token
