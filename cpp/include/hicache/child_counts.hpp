@@ -66,15 +66,14 @@ class ChildCounts {
     std::uint64_t parent = 0;
     std::int64_t count = 0;  // 0: the slot is empty
   };
-  // Fibonacci hashing of the serial. Serials are handed out in order, so a chain's parents are
-  // consecutive integers: placed by their low bits they filled consecutive slots, one run as long
-  // as the chains, which a removal shifts back (and a miss probes) to its end. Leaf-first eviction
-  // removes a run's last member, but plain LRU eviction and branching prefixes remove from its
-  // middle (`hicache replay --policy lru` spent a quarter of its time there). Keeping groups of
-  // four consecutive serials in one cache line measured no faster, in the replay or in stores.
-  std::size_t home(std::uint64_t parent) const {
-    return static_cast<std::size_t>((parent * 0x9e3779b97f4a7c15ULL) >> shift_);
-  }
+  // Fibonacci hashing of the serial (fibonacci_home). Serials are handed out in order, so a chain's
+  // parents are consecutive integers: placed by their low bits they filled consecutive slots, one
+  // run as long as the chains, which a removal shifts back (and a miss probes) to its end.
+  // Leaf-first eviction removes a run's last member, but plain LRU eviction and branching prefixes
+  // remove from its middle (`hicache replay --policy lru` spent a quarter of its time there).
+  // Keeping groups of four consecutive serials in one cache line measured no faster, in the replay
+  // or in stores.
+  std::size_t home(std::uint64_t parent) const { return detail::fibonacci_home(parent, shift_); }
   std::size_t next(std::size_t i) const { return (i + 1) & (slots_.size() - 1); }
   // The slot holding `parent`, or the empty slot where it would go.
   std::size_t probe(std::uint64_t parent) const {

@@ -84,10 +84,8 @@ class EntryTable {
     std::uint64_t tag = 0;
     E* entry = nullptr;
   };
-  // Fibonacci hashing of the tag: keys from tests with few key bits are not uniform.
-  std::size_t home(std::uint64_t t) const {
-    return static_cast<std::size_t>((t * 0x9e3779b97f4a7c15ULL) >> shift_);
-  }
+  // Keys from tests with few key bits are not uniform.
+  std::size_t home(std::uint64_t t) const { return detail::fibonacci_home(t, shift_); }
   std::size_t next(std::size_t i) const { return (i + 1) & (slots_.size() - 1); }
   void place(E* e) {
     const std::uint64_t t = By::tag(By::of(e));
