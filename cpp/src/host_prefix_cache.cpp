@@ -168,6 +168,16 @@ HostPrefixCache::HostPrefixCache(std::vector<Segment> segments, Device device, C
       throw std::invalid_argument("a state-only cache (no segments) has no pages for a tier");
     }
   }
+  if (tier_gate_ && config_.key_bits != 128) {
+    // Host memory stays exact under any collision (it compares every page's tokens and its
+    // parent entry), but a tier's value names its prefix only through the parent's key: where
+    // two prefixes' keys collide, a later page written under one passes the other's record.
+    // With 128-bit chain keys that takes a collision of BLAKE2b; with fewer bits it is common.
+    throw std::invalid_argument(
+        "key_bits must be 128 with a tier (got " + std::to_string(config_.key_bits) +
+        "): a tier's records name a page's prefix only by its parent's key, so shortened keys "
+        "that collide could serve another prefix's page");
+  }
   if (tier_gate_ && dynamic_cast<const NullCopier*>(&mover_.copier()) != nullptr) {
     // Its host slots are fake addresses: a tier's records and values would be written there.
     throw std::invalid_argument(

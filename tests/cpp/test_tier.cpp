@@ -222,6 +222,60 @@ TEST(Tier, OtherModelsAndTenantsNeverSeeEachOthersPages) {
   EXPECT_EQ(d.resume("d", prompt, 8), 5 * kB);
 }
 
+// A tier's record names a page's prefix by its parent's key only, so the tier is exact as long
+// as chain keys do not collide: shortened keys (key_bits, which tests use to make host memory's
+// collisions common) are refused with a tier.
+TEST(Tier, ShortenedKeysAreRefusedSinceARecordNamesItsPrefixOnlyByItsParentsKey) {
+  // Two first pages whose 2-bit keys collide, and the same second page after each.
+  const auto a = tokens(kB, 1000);
+  std::vector<std::int32_t> b;
+  for (std::int32_t start = 2000;; start += kB) {
+    b = tokens(kB, start);
+    if (hicache::chain_keys("", b, kB, 1, 2)[0] == hicache::chain_keys("", a, kB, 1, 2)[0]) break;
+  }
+  const auto t = tokens(kB, 5000);
+  auto after_a = a, after_b = b;
+  after_a.insert(after_a.end(), t.begin(), t.end());
+  after_b.insert(after_b.end(), t.begin(), t.end());
+  // Why: the value of (a, t)'s second page passes the record check of (b, t)'s second page when
+  // the keys before it collide, and only then.
+  std::vector<std::uint8_t> kv(16 * kBlockBytes);
+  const hicache::PageLayout layout({{kv.data(), 16, kBlockBytes, kBlockBytes}}, hicache::Device{});
+  const std::vector<std::byte> page(kBlockBytes, std::byte{11});
+  for (const int bits : {2, 128}) {
+    const auto ka = hicache::chain_keys("", after_a, kB, 2, bits);
+    const auto kb = hicache::chain_keys("", after_b, kB, 2, bits);
+    const hicache::Key space = hicache::tier_space("", layout, kB, bits);
+    std::vector<std::byte> value(hicache::tier_value_bytes(kB, page.size()));
+    hicache::encode_tier_value(value.data(), space, ka[1], ka[0], t, page);
+    std::string why;
+    const bool passes =
+        !hicache::check_tier_value(value, space, kb[1], kb[0], t, page.size(), why).empty();
+    EXPECT_EQ(passes, bits == 2) << bits << " bits: " << why;
+  }
+  // So a cache with a tier refuses them, naming the option; with full keys, or without a tier,
+  // the same configuration is taken.
+  auto make = [&kv](int key_bits, bool with_tier) {
+    CacheConfig c;
+    c.block_tokens = kB;
+    c.capacity_pages = 8;
+    c.key_bits = key_bits;
+    return HostPrefixCache(std::vector<hicache::Segment>{{kv.data(), 16, kBlockBytes, kBlockBytes}},
+                           hicache::Device{}, c, nullptr,
+                           with_tier ? std::make_shared<MemoryTier>() : nullptr);
+  };
+  try {
+    make(2, true);
+    ADD_FAILURE() << "a tier with 2-bit keys was taken";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("key_bits must be 128 with a tier (got 2)"),
+              std::string::npos)
+        << e.what();
+  }
+  EXPECT_NO_THROW(make(128, true));
+  EXPECT_NO_THROW(make(2, false));
+}
+
 TEST(Tier, ATierThatFailsCostsMissesAndErrorsButNeverTheCache) {
   auto tier = std::make_shared<MemoryTier>();
   Host a(tier), b(tier);

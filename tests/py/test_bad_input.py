@@ -211,6 +211,17 @@ def test_bad_configs_raise(kwargs, match) -> None:
         hicache.HostPrefixCache(torch.zeros(8, B, 4), block_tokens=kwargs.pop("block_tokens", B), **kwargs)
 
 
+def test_shortened_keys_with_a_tier_raise(tmp_path) -> None:
+    # A tier's record names a page's prefix only by its parent's key (tests/cpp/test_tier.cpp
+    # shows a colliding one passing): key_bits (tests only) is refused with a tier, and only there.
+    kv = torch.zeros(8, B, 4)
+    tier = hicache.DiskTier(tmp_path / "disk", 64 << 20)
+    with pytest.raises(ValueError, match=r"key_bits must be 128 with a tier \(got 2\)"):
+        hicache.HostPrefixCache(kv, block_tokens=B, capacity_pages=4, key_bits=2, tier=tier)
+    hicache.HostPrefixCache(kv, block_tokens=B, capacity_pages=4, key_bits=128, tier=tier)
+    hicache.HostPrefixCache(kv, block_tokens=B, capacity_pages=4, key_bits=2)
+
+
 def test_cuda_segments_without_a_cuda_build_raise() -> None:
     if hicache.cuda_available():
         pytest.skip("this build has CUDA: covered by the GPU tests")

@@ -51,6 +51,7 @@ struct CacheConfig {
   Admission admission = Admission::kAdaptive;
   /// Tests only: keep this many bits of each chain key (128 = the real hash). Fewer bits make
   /// collisions common, to show that exact matching never serves another prefix's page.
+  /// Refused with a tier: a tier's record names a page's prefix only by its parent's key.
   int key_bits = 128;
   /// Target size of one host allocation (pinning runs fastest in large chunks: 11.5 GB/s with
   /// 1 GiB against 5.2 GB/s with 256 MiB, measured on an H200 host).
