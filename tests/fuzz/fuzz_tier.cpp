@@ -1,0 +1,177 @@
+// libFuzzer target for the shared tier's seam (HICACHE_BUILD_FUZZER, clang, coverage + ASan +
+// UBSan): two caches ("hosts") over one MemoryTier. Each input is decoded into their
+// configurations and a sequence of operations on either host: store, try_resume (waiting for the
+// tier or prefetching), prefetch, poll, forget, flush; and on the tier: a value's byte flipped,
+// cut short, lengthened, replaced by another value's bytes, or erased, and calls that fail.
+//
+// Oracle: the engine's blocks hold bytes derived from the salt and token prefix they belong to,
+// so every page either host serves is checked against the prefix and salt it was served for, as
+// fuzz_cache.cpp does for one host: whatever the tier returns, a page is the KV of its own
+// prefix or it is not served. Accounting is checked after every operation, and a tier's faults
+// must never count as the cache's own errors.
+//
+//   build/fuzz/hicache_fuzz_tier -runs=20000 -max_len=512 -len_control=0
+
+#include <fuzzer/FuzzedDataProvider.h>
+
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <memory>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "hicache/hicache.hpp"
+
+namespace {
+
+constexpr std::int64_t kB = 4;        // tokens per block
+constexpr std::int64_t kBlocks = 12;  // engine blocks per host
+constexpr std::int64_t kBytes = 8;    // bytes per block (one segment)
+
+[[noreturn]] void fail(const char* what) {
+  std::fprintf(stderr, "hicache tier fuzz: %s\n", what);
+  std::abort();
+}
+
+// The "model": the KV of a prefix under a salt (two tenants' models differ, so a page that
+// crossed from one salt to the other would fail the check).
+std::uint64_t digest(const std::vector<std::int32_t>& t, std::size_t end, int salt) {
+  std::uint64_t h = 1469598103934665603ull ^ static_cast<std::uint64_t>(salt);
+  for (std::size_t i = 0; i < end; ++i)
+    h = (h ^ static_cast<std::uint32_t>(t[i])) * 1099511628211ull;
+  return h;
+}
+
+struct Host {
+  std::vector<std::uint64_t> blocks = std::vector<std::uint64_t>(kBlocks, 0);
+  std::unique_ptr<hicache::HostPrefixCache> cache;
+};
+
+}  // namespace
+
+extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
+  FuzzedDataProvider fdp(data, size);
+  auto tier = std::make_shared<hicache::MemoryTier>();
+  Host hosts[2];
+  for (Host& h : hosts) {
+    hicache::CacheConfig cfg;
+    cfg.block_tokens = kB;
+    cfg.capacity_pages = fdp.ConsumeIntegralInRange<std::int64_t>(1, 8);
+    cfg.keep_tokens = fdp.ConsumeIntegralInRange<std::int64_t>(1, 6);
+    cfg.eviction =
+        fdp.ConsumeBool() ? hicache::EvictionPolicy::kLru : hicache::EvictionPolicy::kLeafFirst;
+    cfg.admission = fdp.ConsumeBool() ? hicache::Admission::kAlways : hicache::Admission::kAdaptive;
+    // Waiting for the tier (synchronous fetches on the caller's thread) or prefetching (fetches
+    // on the tier thread, served to a later prompt).
+    cfg.tier.wait_us = fdp.ConsumeBool() ? 0 : 10'000'000;
+    cfg.tier.queue_pages = fdp.ConsumeIntegralInRange<std::int64_t>(1, 16);
+    // Rounds of one page up to the whole prefix.
+    cfg.tier.buffer_bytes = fdp.ConsumeIntegralInRange<std::int64_t>(1, 16) * 2 * kBytes;
+    std::vector<hicache::Segment> segs{{h.blocks.data(), kBlocks, kBytes, kBytes}};
+    h.cache = std::make_unique<hicache::HostPrefixCache>(
+        segs, hicache::Device{}, cfg, std::make_shared<hicache::CpuCopier>(), tier);
+  }
+  const std::int32_t pages[4][kB] = {{1, 2, 3, 4}, {5, 6, 7, 8}, {1, 2, 3, 5}, {9, 9, 9, 9}};
+  const char* const salts[2] = {"", "tenant-2"};
+
+  for (int step = 0; step < 64 && fdp.remaining_bytes() > 0; ++step) {
+    const int op = fdp.ConsumeIntegralInRange(0, 7);
+    Host& host = hosts[fdp.ConsumeIntegralInRange(0, 1)];
+    hicache::HostPrefixCache& cache = *host.cache;
+    const std::string rid = "r" + std::to_string(fdp.ConsumeIntegralInRange(0, 3));
+    const int salt = fdp.ConsumeIntegralInRange(0, 1);
+    std::vector<std::int32_t> prompt;
+    for (int p = fdp.ConsumeIntegralInRange(1, 5); p > 0; --p) {
+      const auto& page = pages[fdp.ConsumeIntegralInRange(0, 3)];
+      prompt.insert(prompt.end(), page, page + kB);
+    }
+    for (int t = fdp.ConsumeIntegralInRange(0, 3); t > 0; --t) prompt.push_back(t);
+    // A well-formed block table, rotated so that pages land in other blocks than they left.
+    std::vector<std::int64_t> ids;
+    const auto shift = fdp.ConsumeIntegralInRange<std::int64_t>(0, kBlocks - 1);
+    for (std::int64_t i = 0; i <= static_cast<std::int64_t>(prompt.size()) / kB && i < kBlocks;
+         ++i) {
+      ids.push_back((i + shift) % kBlocks);
+    }
+    try {
+      if (op == 0) {
+        const auto n_full = static_cast<std::int64_t>(prompt.size()) / kB;
+        for (std::int64_t i = 0; i < n_full && i < static_cast<std::int64_t>(ids.size()); ++i)
+          host.blocks[static_cast<std::size_t>(ids[static_cast<std::size_t>(i)])] =
+              digest(prompt, static_cast<std::size_t>((i + 1) * kB), salt);  // prefill
+        cache.store(rid, prompt, ids, nullptr, {}, salts[salt]);
+      } else if (op == 1) {
+        const std::int64_t got = cache.try_resume(
+            rid, prompt,
+            [&](std::int64_t tokens) -> std::optional<std::vector<std::int64_t>> {
+              return std::vector<std::int64_t>(ids.begin(), ids.begin() + tokens / kB);
+            },
+            nullptr, std::nullopt, salts[salt]);
+        for (std::int64_t i = 0; i < got / kB; ++i) {
+          if (host.blocks[static_cast<std::size_t>(ids[static_cast<std::size_t>(i)])] !=
+              digest(prompt, static_cast<std::size_t>((i + 1) * kB), salt)) {
+            fail("a served page is not the KV of its prefix and salt");
+          }
+        }
+        if (got > 0 && got % kB != 0) fail("a hit that is not a whole number of pages");
+        const auto n = static_cast<std::int64_t>(prompt.size());
+        if (got > 0 && got > n - cache.config().keep_tokens) fail("keep_tokens cap broken");
+      } else if (op == 2) {
+        cache.prefetch(prompt, salts[salt]);
+      } else if (op == 3) {
+        cache.poll();
+      } else if (op == 4) {
+        cache.forget(rid);
+      } else if (op == 5) {
+        if (!cache.flush_tier(std::chrono::milliseconds(10'000))) fail("flush_tier timed out");
+      } else if (op == 6) {
+        // A value damaged in the store: any of its bytes (page or record), its length, or
+        // another value's bytes under its name.
+        const std::vector<std::string> names = tier->names();
+        if (names.empty()) continue;
+        const std::string& name =
+            names[fdp.ConsumeIntegralInRange<std::size_t>(0, names.size() - 1)];
+        const int how = fdp.ConsumeIntegralInRange(0, 4);
+        const auto at = fdp.ConsumeIntegral<std::uint16_t>();
+        const auto bits = static_cast<std::byte>(fdp.ConsumeIntegralInRange(1, 255));
+        std::vector<std::byte> other;
+        if (how == 3) {
+          const std::string& from =
+              names[fdp.ConsumeIntegralInRange<std::size_t>(0, names.size() - 1)];
+          tier->edit(from, [&](std::vector<std::byte>& v) { other = v; });
+        }
+        if (how == 4) {
+          tier->erase(name);
+        } else {
+          tier->edit(name, [&](std::vector<std::byte>& v) {
+            if (how == 0 && !v.empty()) v[at % v.size()] ^= bits;
+            if (how == 1) v.resize(at % (v.size() + 1));
+            if (how == 2) v.push_back(bits);
+            if (how == 3) v = other;
+          });
+        }
+      } else {
+        tier->fail_next(fdp.ConsumeIntegralInRange(1, 3));
+      }
+    } catch (const hicache::UnknownRequest&) {
+    }
+    for (const Host& h : hosts) {
+      const hicache::CacheStats s = h.cache->stats();
+      if (s.pages_used > s.pages_capacity || s.pages_busy > s.pages_used) fail("page accounting");
+      if (s.errors != 0) fail("a tier's fault counted as the cache's own error");
+      if (s.disabled) fail("a tier's fault disabled the cache");
+    }
+  }
+  for (Host& h : hosts) {
+    if (!h.cache->flush_tier(std::chrono::milliseconds(10'000))) fail("flush_tier timed out");
+    h.cache->poll();
+    const hicache::CacheStats s = h.cache->stats();
+    if (s.pages_busy != 0 || s.transfers_in_flight != 0) fail("held after draining");
+    if (s.tier_pages_queued != 0) fail("pages still queued for the tier after a flush");
+  }
+  return 0;
+}
