@@ -14,6 +14,7 @@
 
 #include <fuzzer/FuzzedDataProvider.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
@@ -71,6 +72,9 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     cfg.tier.queue_pages = fdp.ConsumeIntegralInRange<std::int64_t>(1, 16);
     // Rounds of one page up to the whole prefix.
     cfg.tier.buffer_bytes = fdp.ConsumeIntegralInRange<std::int64_t>(1, 16) * 2 * kBytes;
+    // A cache that loads layer by layer checks fetched pages as they arrive (on the tier
+    // thread); any other, by their first load.
+    if (fdp.ConsumeBool()) cfg.layer_segments = {1};
     std::vector<hicache::Segment> segs{{h.blocks.data(), kBlocks, kBytes, kBytes}};
     h.cache = std::make_unique<hicache::HostPrefixCache>(
         segs, hicache::Device{}, cfg, std::make_shared<hicache::CpuCopier>(), tier);
@@ -105,12 +109,18 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
               digest(prompt, static_cast<std::size_t>((i + 1) * kB), salt);  // prefill
         cache.store(rid, prompt, ids, nullptr, {}, salts[salt]);
       } else if (op == 1) {
+        hicache::LayerwiseLoad layers;
+        const bool layerwise = !cache.config().layer_segments.empty() && fdp.ConsumeBool();
         const std::int64_t got = cache.try_resume(
             rid, prompt,
             [&](std::int64_t tokens) -> std::optional<std::vector<std::int64_t>> {
               return std::vector<std::int64_t>(ids.begin(), ids.begin() + tokens / kB);
             },
-            nullptr, std::nullopt, salts[salt]);
+            nullptr, std::nullopt, salts[salt], layerwise ? &layers : nullptr);
+        if (layerwise) {
+          if (layers.tokens() != got) fail("layer-wise tokens");
+          layers.synchronize();
+        }
         for (std::int64_t i = 0; i < got / kB; ++i) {
           if (host.blocks[static_cast<std::size_t>(ids[static_cast<std::size_t>(i)])] !=
               digest(prompt, static_cast<std::size_t>((i + 1) * kB), salt)) {
@@ -129,29 +139,32 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
       } else if (op == 5) {
         if (!cache.flush_tier(std::chrono::milliseconds(10'000))) fail("flush_tier timed out");
       } else if (op == 6) {
-        // A value damaged in the store: any of its bytes (page or record), its length, or
+        // A value damaged in the store: a byte of its page (the value's first kBytes bytes: a
+        // flip anywhere would land in the record nine times in ten), any byte, its length, or
         // another value's bytes under its name.
         const std::vector<std::string> names = tier->names();
         if (names.empty()) continue;
         const std::string& name =
             names[fdp.ConsumeIntegralInRange<std::size_t>(0, names.size() - 1)];
-        const int how = fdp.ConsumeIntegralInRange(0, 4);
+        const int how = fdp.ConsumeIntegralInRange(0, 5);
         const auto at = fdp.ConsumeIntegral<std::uint16_t>();
         const auto bits = static_cast<std::byte>(fdp.ConsumeIntegralInRange(1, 255));
         std::vector<std::byte> other;
-        if (how == 3) {
+        if (how == 4) {
           const std::string& from =
               names[fdp.ConsumeIntegralInRange<std::size_t>(0, names.size() - 1)];
           tier->edit(from, [&](std::vector<std::byte>& v) { other = v; });
         }
-        if (how == 4) {
+        if (how == 5) {
           tier->erase(name);
         } else {
           tier->edit(name, [&](std::vector<std::byte>& v) {
-            if (how == 0 && !v.empty()) v[at % v.size()] ^= bits;
-            if (how == 1) v.resize(at % (v.size() + 1));
-            if (how == 2) v.push_back(bits);
-            if (how == 3) v = other;
+            const std::size_t page = std::min<std::size_t>(v.size(), kBytes);
+            if (how == 0 && page > 0) v[at % page] ^= bits;
+            if (how == 1 && !v.empty()) v[at % v.size()] ^= bits;
+            if (how == 2) v.resize(at % (v.size() + 1));
+            if (how == 3) v.push_back(bits);
+            if (how == 4) v = other;
           });
         }
       } else {
