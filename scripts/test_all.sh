@@ -118,7 +118,7 @@ python tests/fuzz/fuzz_policy.py -runs=20000 -max_len=512 -len_control=0 -seed=1
   { tail -40 "$logs/fuzz.log"; exit 1; }
 tail -1 "$logs/fuzz.log"
 
-step "fuzz (C++): libFuzzer with coverage, ASan and UBSan, one cache and two over a tier, 60 s each (clang)"
+step "fuzz (C++): libFuzzer with coverage, ASan and UBSan, one cache, two over a tier in memory, two over a disk tier, 60 s each (clang)"
 cmake -S . -B build/fuzz -G Ninja -DCMAKE_CXX_COMPILER=clang++ -DHICACHE_BUILD_FUZZER=ON \
   -DHICACHE_BUILD_CUDA=OFF -DHICACHE_BUILD_TESTS=OFF -DHICACHE_INSTALL=OFF >"$logs/cmake-fuzz.log"
 cmake --build build/fuzz >"$logs/build-fuzz.log" 2>&1 || { cat "$logs/build-fuzz.log"; exit 1; }
@@ -128,5 +128,8 @@ tail -1 "$logs/fuzz-cpp.log"
 (cd build/fuzz && ./hicache_fuzz_tier -max_total_time=60 -seed=1 -max_len=512 -len_control=0) \
   >"$logs/fuzz-tier.log" 2>&1 || { tail -60 "$logs/fuzz-tier.log"; exit 1; }
 tail -1 "$logs/fuzz-tier.log"
+(cd build/fuzz && ./hicache_fuzz_disk_tier -max_total_time=60 -seed=1 -max_len=512 -len_control=0 \
+  -entropic=0) >"$logs/fuzz-disk-tier.log" 2>&1 || { tail -60 "$logs/fuzz-disk-tier.log"; exit 1; }
+tail -1 "$logs/fuzz-disk-tier.log"
 
 step "all checks passed"
