@@ -1,12 +1,12 @@
 // libFuzzer targets for the tier's seam (HICACHE_BUILD_FUZZER, clang, coverage + ASan + UBSan):
 // two caches ("hosts") over one tier: a MemoryTier (hicache_fuzz_tier) or a DiskTier of a few
-// small segments (hicache_fuzz_disk_tier, built with HICACHE_FUZZ_DISK_TIER). Each
-// input is decoded into the tier, the caches' configurations and a sequence of operations on
-// either host: store, try_resume (waiting for the tier or prefetching, whole or layer by
-// layer), prefetch, poll, forget, flush; and on the tier: in memory, a value's byte flipped
-// (in its page or anywhere), the value cut short, lengthened, replaced by another value's bytes
-// or erased, and calls that fail; on disk, a byte of a segment, index or format file flipped
-// under the running tier, and both engines and the tier restarted over the directory.
+// small segments (hicache_fuzz_disk_tier, built with HICACHE_FUZZ_DISK_TIER). Each input is
+// decoded into the tier, the caches' configurations and a sequence of operations on either
+// host: store, try_resume (waiting for the tier or prefetching, whole or layer by layer),
+// prefetch, poll, forget, flush; and on the tier: in memory, a value's byte flipped (in its
+// page or anywhere), the value cut short, lengthened, replaced by another value's bytes or
+// erased, and calls that fail; on disk, a byte of a segment, index or format file flipped under
+// the running tier, and both engines and the tier restarted over the directory.
 //
 // Oracle: the engine's blocks hold bytes derived from the salt and token prefix they belong to,
 // so every page either host serves is checked against the prefix and salt it was served for, as
