@@ -22,26 +22,20 @@
 #include <string>
 #include <vector>
 
+#include "fuzz_engine.hpp"
 #include "hicache/hicache.hpp"
 
 namespace {
 
-constexpr std::int64_t kB = 4;        // tokens per block
-constexpr std::int64_t kBlocks = 12;  // engine blocks
-constexpr std::int64_t kBytes = 8;    // bytes per block (one segment)
+using hicache_fuzz::digest;
+using hicache_fuzz::kB;
+using hicache_fuzz::kBlocks;
+using hicache_fuzz::kBytes;
 constexpr std::int64_t kStateBytes = 8;
 
 [[noreturn]] void fail(const char* what) {
   std::fprintf(stderr, "hicache fuzz: %s\n", what);
   std::abort();
-}
-
-// The "model": bytes of the KV (or state) of a prefix.
-std::uint64_t digest(const std::vector<std::int32_t>& t, std::size_t end) {
-  std::uint64_t h = 1469598103934665603ull;
-  for (std::size_t i = 0; i < end; ++i)
-    h = (h ^ static_cast<std::uint32_t>(t[i])) * 1099511628211ull;
-  return h;
 }
 
 }  // namespace
@@ -75,28 +69,18 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   std::uint64_t state_buf = 0;  // staging buffer for states
   std::uint64_t state_in = 0;   // receives states: alive until every transfer into it completed
   std::vector<std::uint64_t> exported(64, 0);
-  const std::int32_t pages[4][kB] = {{1, 2, 3, 4}, {5, 6, 7, 8}, {1, 2, 3, 5}, {9, 9, 9, 9}};
 
   // Stop when the input is used up: past its end every value would read as zero.
   for (int step = 0; step < 64 && fdp.remaining_bytes() > 0; ++step) {
     const int op = fdp.ConsumeIntegralInRange(0, 4);
     const std::string rid = "r" + std::to_string(fdp.ConsumeIntegralInRange(0, 3));
-    std::vector<std::int32_t> prompt;
-    for (int p = fdp.ConsumeIntegralInRange(1, 5); p > 0; --p) {
-      const auto& page = pages[fdp.ConsumeIntegralInRange(0, 3)];
-      prompt.insert(prompt.end(), page, page + kB);
-    }
-    for (int t = fdp.ConsumeIntegralInRange(0, 3); t > 0; --t) prompt.push_back(t);
-    // Mostly a well-formed block table (distinct, in range, one per page, rotated so that the
-    // pages land in other blocks than they were stored from); sometimes anything at all.
+    const std::vector<std::int32_t> prompt = hicache_fuzz::decode_prompt(fdp);
+    // Mostly a well-formed block table; sometimes anything at all.
     std::vector<std::int64_t> ids;
     const bool well_formed = fdp.ConsumeIntegralInRange(0, 7) != 0;
     if (well_formed) {
-      const auto shift = fdp.ConsumeIntegralInRange<std::int64_t>(0, kBlocks - 1);
-      for (std::int64_t i = 0; i <= static_cast<std::int64_t>(prompt.size()) / kB && i < kBlocks;
-           ++i) {
-        ids.push_back((i + shift) % kBlocks);
-      }
+      ids = hicache_fuzz::rotated_block_table(
+          prompt.size(), fdp.ConsumeIntegralInRange<std::int64_t>(0, kBlocks - 1));
     } else {
       for (int i = fdp.ConsumeIntegralInRange(0, 6); i > 0; --i) {
         ids.push_back(fdp.ConsumeIntegralInRange<std::int64_t>(-1, kBlocks));

@@ -37,26 +37,19 @@
 #include <string>
 #include <vector>
 
+#include "fuzz_engine.hpp"
 #include "hicache/hicache.hpp"
 
 namespace {
 
-constexpr std::int64_t kB = 4;        // tokens per block
-constexpr std::int64_t kBlocks = 12;  // engine blocks per host
-constexpr std::int64_t kBytes = 8;    // bytes per block (one segment)
+using hicache_fuzz::digest;  // with a salt: two tenants' models differ
+using hicache_fuzz::kB;
+using hicache_fuzz::kBlocks;  // a host's
+using hicache_fuzz::kBytes;
 
 [[noreturn]] void fail(const char* what) {
   std::fprintf(stderr, "hicache tier fuzz: %s\n", what);
   std::abort();
-}
-
-// The "model": the KV of a prefix under a salt (two tenants' models differ, so a page that
-// crossed from one salt to the other would fail the check).
-std::uint64_t digest(const std::vector<std::int32_t>& t, std::size_t end, int salt) {
-  std::uint64_t h = 1469598103934665603ull ^ static_cast<std::uint64_t>(salt);
-  for (std::size_t i = 0; i < end; ++i)
-    h = (h ^ static_cast<std::uint32_t>(t[i])) * 1099511628211ull;
-  return h;
 }
 
 struct Host {
@@ -159,7 +152,6 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     if (fdp.ConsumeBool()) cfg.layer_segments = {1};
     h.open(tier);
   }
-  const std::int32_t pages[4][kB] = {{1, 2, 3, 4}, {5, 6, 7, 8}, {1, 2, 3, 5}, {9, 9, 9, 9}};
   const char* const salts[2] = {"", "tenant-2"};
 
   for (int step = 0; step < 64 && fdp.remaining_bytes() > 0; ++step) {
@@ -168,19 +160,9 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     hicache::HostPrefixCache& cache = *host.cache;
     const std::string rid = "r" + std::to_string(fdp.ConsumeIntegralInRange(0, 3));
     const int salt = fdp.ConsumeIntegralInRange(0, 1);
-    std::vector<std::int32_t> prompt;
-    for (int p = fdp.ConsumeIntegralInRange(1, 5); p > 0; --p) {
-      const auto& page = pages[fdp.ConsumeIntegralInRange(0, 3)];
-      prompt.insert(prompt.end(), page, page + kB);
-    }
-    for (int t = fdp.ConsumeIntegralInRange(0, 3); t > 0; --t) prompt.push_back(t);
-    // A well-formed block table, rotated so that pages land in other blocks than they left.
-    std::vector<std::int64_t> ids;
-    const auto shift = fdp.ConsumeIntegralInRange<std::int64_t>(0, kBlocks - 1);
-    for (std::int64_t i = 0; i <= static_cast<std::int64_t>(prompt.size()) / kB && i < kBlocks;
-         ++i) {
-      ids.push_back((i + shift) % kBlocks);
-    }
+    const std::vector<std::int32_t> prompt = hicache_fuzz::decode_prompt(fdp);
+    const std::vector<std::int64_t> ids = hicache_fuzz::rotated_block_table(
+        prompt.size(), fdp.ConsumeIntegralInRange<std::int64_t>(0, kBlocks - 1));
     try {
       if (op == 0) {
         const auto n_full = static_cast<std::int64_t>(prompt.size()) / kB;
