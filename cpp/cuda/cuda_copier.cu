@@ -262,12 +262,14 @@ class CudaCopier final : public Copier {
     // The staged path's gathers/scatters move bytes within the GPU's memory. With the 4 CTAs
     // that saturate PCIe they ran no faster than the link (a 64 MiB window copied and then
     // scattered without overlap reached 0.53 of a contiguous copy), so the two-window pipeline
-    // stalled; 32 CTAs (a quarter of an H200's SMs, for microseconds per window) measured best:
-    // 0.96-0.99 on pages of 4 MiB and more, against 0.93-0.97 with 4 (BENCHMARKS.md).
+    // stalled; 32 CTAs measured 0.96-0.99 on pages of 4 MiB and more, against 0.93-0.97 with 4.
+    // One CTA per SM measured the same alone and better beside compute that holds every SM (a
+    // bf16 matmul on an H100): the copy beside it 38-47 GB/s instead of 29-39, the matmul at
+    // most 1.3 % slower instead of 4.2 % (docs/performance.md, "The scatter's CTAs beside
+    // compute").
     int sms = 0;
     HICACHE_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device_));
-    // cuda_blocks may ask for more (up to 1024); std::clamp with its bounds crossed is undefined.
-    staged_blocks_ = std::max(opt_.max_blocks, std::min(sms / 4, 32));
+    staged_blocks_ = std::max(opt_.max_blocks, sms);
   }
 
   void bind(const PageLayout& layout) override {

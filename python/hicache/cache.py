@@ -78,7 +78,8 @@ class HostPrefixCache:
             which receives only the pages the host stores): write-through. A declined page ends
             the store (its descendants cannot be cached without it); counted in
             ``pages_declined``.
-        cuda_blocks: CTAs of the CUDA copy kernel.
+        cuda_blocks: CTAs of the CUDA copy kernel across PCIe (small pages); the staged
+            path's scatters within the GPU take one CTA per SM, or this many if more.
         cuda_staging_bytes: device memory per stream and direction through which pages of
             layer-major pools cross PCIe whole on the DMA engines (pages of 512 KiB or more
             that the DMA engines do not take chunk by chunk); the kernel scatters them at HBM

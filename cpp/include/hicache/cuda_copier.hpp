@@ -23,7 +23,8 @@ enum class CopyPath {
 struct CudaCopierOptions {
   /// Which path copies take; kAuto picks one from the layout at bind().
   CopyPath path = CopyPath::kAuto;
-  /// CTAs of the gather/scatter kernel; a few saturate PCIe and leave the SMs to the model.
+  /// CTAs of the gather/scatter kernel across PCIe; a few saturate PCIe and leave the SMs to the
+  /// model. The staged path's scatters within the GPU take one CTA per SM, or this many if more.
   int max_blocks = 4;
   /// Threads per CTA.
   int threads = 1024;
