@@ -128,8 +128,14 @@ tail -1 "$logs/fuzz-cpp.log"
 (cd build/fuzz && ./hicache_fuzz_tier -max_total_time=60 -seed=1 -max_len=512 -len_control=0) \
   >"$logs/fuzz-tier.log" 2>&1 || { tail -60 "$logs/fuzz-tier.log"; exit 1; }
 tail -1 "$logs/fuzz-tier.log"
-(cd build/fuzz && ./hicache_fuzz_disk_tier -max_total_time=60 -seed=1 -max_len=512 -len_control=0 \
-  -entropic=0) >"$logs/fuzz-disk-tier.log" 2>&1 || { tail -60 "$logs/fuzz-disk-tier.log"; exit 1; }
+# Its tiers' directories go under a TMPDIR of its own, removed whatever the outcome: a crash
+# (libFuzzer's abort) skips the target's own cleanup of the directory it was using.
+fuzz_tmp=$(mktemp -d "${TMPDIR:-/tmp}/hicache-fuzz-disk-XXXXXX")
+rc=0
+(cd build/fuzz && TMPDIR=$fuzz_tmp ./hicache_fuzz_disk_tier -max_total_time=60 -seed=1 -max_len=512 \
+  -len_control=0 -entropic=0) >"$logs/fuzz-disk-tier.log" 2>&1 || rc=$?
+rm -rf "$fuzz_tmp"
+[ $rc = 0 ] || { tail -60 "$logs/fuzz-disk-tier.log"; exit 1; }
 tail -1 "$logs/fuzz-disk-tier.log"
 
 step "all checks passed"
