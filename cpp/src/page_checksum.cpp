@@ -3,6 +3,8 @@
 #include <array>
 #include <cstring>
 
+#include "page_checksum_def.hpp"
+
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #include <immintrin.h>
 #define HICACHE_CHECKSUM_AVX2 1
@@ -11,28 +13,21 @@
 namespace hicache::detail {
 namespace {
 
-using u64 = std::uint64_t;
-
-constexpr u64 mix(u64 z) {  // splitmix64's finalizer
-  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
-  z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
-  return z ^ (z >> 31);
-}
-
-constexpr int kLanes = 8;     // 64-bit lanes of a 64-byte stripe
-constexpr int kStripes = 16;  // stripes between two scrambles (1 KiB)
-constexpr std::size_t kStripe = 64;
-constexpr std::size_t kBlock = kStripe * kStripes;
-static_assert(kBlock == ChecksumCopy::kBlock);
-constexpr u64 kScramble = 0x9E3779B1ULL;
-constexpr u64 kP1 = 0x9E3779B185EBCA87ULL, kP2 = 0xC2B2AE3D27D4EB4FULL;
+namespace def = checksum_def;
+using def::kBlock;
+using def::kLanes;
+using def::kScramble;
+using def::kStripe;
+using def::kStripes;
+using u64 = def::u64;
 
 // Lane i of stripe s mixes its word with kSecret[s + i]; the scramble uses kSecret[16 + i].
 constexpr std::array<u64, kStripes + kLanes> kSecret = [] {
   std::array<u64, kStripes + kLanes> s{};
-  for (std::size_t i = 0; i < s.size(); ++i) s[i] = mix(0x9E3779B97F4A7C15ULL * (i + 1));
+  for (std::size_t i = 0; i < s.size(); ++i) s[i] = def::secret(static_cast<int>(i));
   return s;
 }();
+static_assert(kBlock == ChecksumCopy::kBlock);
 
 // One stripe, one lane at a time: the definition the vector form must match.
 void stripe(u64* acc, const std::byte* p, int s, std::byte* out) {
@@ -40,17 +35,13 @@ void stripe(u64* acc, const std::byte* p, int s, std::byte* out) {
   std::memcpy(w, p, kStripe);
   if (out != nullptr) std::memcpy(out, w, kStripe);
   for (int i = 0; i < kLanes; ++i) {
-    const u64 x = w[i] ^ kSecret[static_cast<std::size_t>(s + i)];
-    acc[i] += w[i] + (x & 0xFFFFFFFFULL) * (x >> 32);
+    acc[i] = def::accumulate(acc[i], w[i], kSecret[static_cast<std::size_t>(s + i)]);
   }
 }
 
 void scramble(u64* acc) {
   for (int i = 0; i < kLanes; ++i) {
-    u64 a = acc[i];
-    a ^= a >> 47;
-    a ^= kSecret[static_cast<std::size_t>(kStripes + i)];
-    acc[i] = a * kScramble;
+    acc[i] = def::scramble(acc[i], kSecret[static_cast<std::size_t>(kStripes + i)]);
   }
 }
 
@@ -61,14 +52,10 @@ u64 finish(u64* acc, const std::byte* p, std::size_t n, std::byte* out, std::siz
     stripe(acc, p, s, out);
     if (out != nullptr) out += kStripe;
   }
-  u64 h = total;
-  for (int i = 0; i < kLanes; ++i) h = (h ^ mix(acc[i])) * kP1;
+  u64 h = def::fold(acc, total);
   if (out != nullptr) std::memcpy(out, p, n);
-  for (; n > 0; --n, ++p) {
-    h = (h ^ static_cast<u64>(*p)) * kP2;
-    h ^= h >> 29;
-  }
-  return mix(h);
+  for (; n > 0; --n, ++p) h = def::tail_byte(h, static_cast<std::uint8_t>(*p));
+  return def::finish(h);
 }
 
 #ifdef HICACHE_CHECKSUM_AVX2
