@@ -17,7 +17,9 @@
 #include <vector>
 
 #include "cuda_check.cuh"
+#include "device_sums.hpp"
 #include "dma_batch.hpp"
+#include "event_pool.hpp"
 #include "hicache/copy_rate.hpp"
 #include "hicache/cuda_copier.hpp"
 #include "pinned_allocator.hpp"
@@ -66,46 +68,6 @@ CopyPath choose_path(const PageLayout& layout, const CudaCopierOptions& opt) {
   if (opt.staging_bytes > 0 && layout.page_bytes() >= kStagedMinPage) return CopyPath::kStaged;
   return CopyPath::kKernel;
 }
-
-// Events are reused: creating one per transfer costs more than the transfer's bookkeeping.
-class EventPool {
- public:
-  explicit EventPool(unsigned flags = cudaEventDisableTiming) : flags_(flags) {}
-  ~EventPool() {
-    for (cudaEvent_t e : free_) cudaEventDestroy(e);
-  }
-  /// @throws hicache::Error if no event can be created.
-  cudaEvent_t take() {
-    cudaEvent_t e = reuse();
-    if (e == nullptr) HICACHE_CUDA_CHECK(cudaEventCreateWithFlags(&e, flags_));
-    return e;
-  }
-  /// nullptr if no event can be created (for bookkeeping that may go without).
-  cudaEvent_t try_take() noexcept {
-    cudaEvent_t e = reuse();
-    if (e == nullptr && cudaEventCreateWithFlags(&e, flags_) != cudaSuccess) {
-      cudaGetLastError();
-      return nullptr;
-    }
-    return e;
-  }
-  void give(cudaEvent_t e) {
-    std::lock_guard<std::mutex> g(mu_);
-    free_.push_back(e);
-  }
-
- private:
-  cudaEvent_t reuse() {
-    std::lock_guard<std::mutex> g(mu_);
-    if (free_.empty()) return nullptr;
-    cudaEvent_t e = free_.back();
-    free_.pop_back();
-    return e;
-  }
-  unsigned flags_;
-  std::mutex mu_;
-  std::vector<cudaEvent_t> free_;
-};
 
 class EventFence final : public Fence {
  public:
@@ -302,11 +264,16 @@ class CudaCopier final : public Copier {
     // keeps that off the serving path.
     SegmentTable::load_kernels();
     store_lanes_.clear();  // before the plan and the table they use
+    sums_.reset();
     sub_tables_.clear();
     load_lanes_.clear();
     staging_refused_ = false;
     plan_.reset();
     table_ = std::make_unique<SegmentTable>(segment_rows(layout), vec_, opt_.threads);
+    if (DeviceSums::can_sum(layout)) {
+      sums_ = std::make_unique<DeviceSums>(table_->rows(), table_->count(),
+                                           static_cast<std::size_t>(layout.page_bytes()));
+    }
     if (path_ == CopyPath::kStaged) {
       plan_ = std::make_unique<StagingPlan>(layout, opt_.staging_bytes / StagingLane::kWindows,
                                             *table_);
@@ -318,7 +285,18 @@ class CudaCopier final : public Copier {
     if (table_ == nullptr) throw Error("CUDA copier used before bind()");
     DeviceGuard g(device_);
     auto s = static_cast<cudaStream_t>(stream);
-    if (dir == Direction::kToHost) return copy_whole_pages(dir, moves, s);
+    if (dir == Direction::kToHost) {
+      // The pages' checksums, where asked, on the device beside the copy (device_sums.hpp).
+      cudaEvent_t summed = sums_ != nullptr ? sums_->fork(moves, s) : nullptr;
+      try {
+        copy_whole_pages(dir, moves, s);
+      } catch (...) {
+        if (summed != nullptr) sums_->join(summed, s);
+        throw;
+      }
+      if (summed != nullptr) sums_->join(summed, s);
+      return;
+    }
     load(
         moves.size() * layout.page_bytes(), s,
         [&] { copy_whole_pages(Direction::kToDevice, moves, s); },
@@ -395,6 +373,10 @@ class CudaCopier final : public Copier {
       default:
         return "kernel";
     }
+  }
+
+  bool sums_on_device(const PageLayout& layout) const override {
+    return sums_ != nullptr && &layout == layout_;
   }
 
   bool supports(Device d) const override {
@@ -510,6 +492,7 @@ class CudaCopier final : public Copier {
   std::shared_ptr<EventPool> events_;
   std::shared_ptr<HostAllocator> allocator_;
   std::unique_ptr<SegmentTable> table_;  // whole pages: the kernel across PCIe, and staging
+  std::unique_ptr<DeviceSums> sums_;     // stores' checksums on the device; reads table_
   std::unique_ptr<StagingPlan> plan_;    // staged path only
   std::mutex sub_tables_mu_;
   std::map<std::pair<std::size_t, std::size_t>, std::unique_ptr<SegmentTable>> sub_tables_;

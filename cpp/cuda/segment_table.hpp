@@ -37,6 +37,10 @@ class SegmentTable {
   /// Loads every instantiation of the kernel now (see CudaCopier::bind for why).
   static void load_kernels();
 
+  /// The table on the device (other kernels over the same pages read it too).
+  const SegmentDesc* rows() const { return rows_; }
+  int count() const { return count_; }
+
  private:
   SegmentDesc* rows_ = nullptr;  // device memory
   int count_ = 0;

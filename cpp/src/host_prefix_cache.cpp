@@ -230,8 +230,24 @@ HostPrefixCache::HostPrefixCache(std::vector<Segment> segments, Device device, C
     link_ = std::make_unique<TierLink>(tier_gate_, config_.tier, tier_space_,
                                        mover_.layout().page_bytes(), config_.block_tokens,
                                        check_on_load, std::move(host));
+    const Copier& copier = mover_.copier();
+    if (!copier.sums_pages(mover_.layout()) && copier.sums_on_device(mover_.layout())) {
+      try {
+        slot_sums_ = std::make_unique<SlotSums>(mover_.copier().host_allocator(),
+                                                static_cast<std::size_t>(config_.capacity_pages));
+      } catch (const std::exception&) {
+        // No pinned memory for the sums: the tier thread sums each page before its put.
+      }
+    }
   }
 }
+
+HostPrefixCache::SlotSums::SlotSums(std::shared_ptr<HostAllocator> m, std::size_t slots)
+    : memory(std::move(m)), bytes(std::max<std::size_t>(1, slots) * sizeof(std::uint64_t)) {
+  sums = static_cast<std::uint64_t*>(memory->allocate(bytes));
+}
+
+HostPrefixCache::SlotSums::~SlotSums() { memory->deallocate(sums, bytes); }
 
 HostPrefixCache::~HostPrefixCache() {
   link_.reset();  // writes what is queued; its callbacks take the lock below
@@ -340,8 +356,13 @@ void HostPrefixCache::write_to_tier(Transfer& t) {
   for (std::size_t j = 0; j < t.pages.size(); ++j) {
     Entry* e = t.pages[j];
     pages_.pin(e);  // until its value was put
-    puts.push_back({e, e->key, t.parents[j], e->tokens, mover_.pool().slot(e->slot),
-                    t.checksums.empty() ? std::nullopt : t.checksums[j]});
+    std::optional<std::uint64_t> sum;
+    if (t.summed_on_device) {
+      sum = slot_sums_->sums[e->slot];  // the store's fence is done: the device wrote it
+    } else if (!t.checksums.empty()) {
+      sum = t.checksums[j];
+    }
+    puts.push_back({e, e->key, t.parents[j], e->tokens, mover_.pool().slot(e->slot), sum});
   }
   if (!link_->offer(puts)) {
     for (Entry* e : t.pages) pages_.unpin(e);
@@ -803,11 +824,14 @@ std::int64_t HostPrefixCache::store(std::string_view request_id,
           e->tokens.assign(page.begin(), page.end());
           pages_.add_edge(e, detail::page_fingerprint(page));
           moves.push_back({block_ids[i], host});
+          if (link_ && slot_sums_) moves.back().sum_at_fence = slot_sums_->sums + e->slot;
           t.pages.push_back(e);
           if (link_) t.parents.push_back(i == 0 ? tier_salt_digest(chain_salt) : keys[i - 1]);
           return true;
         });
-    if (link_) {  // the copier may sum the pages as it copies them (tier records need the sums)
+    if (link_ && slot_sums_) {  // the device sums the pages as it stores them
+      t.summed_on_device = true;
+    } else if (link_) {  // the copier may sum the pages as it copies them (tier records need them)
       t.checksums.resize(moves.size());
       for (std::size_t i = 0; i < moves.size(); ++i) moves[i].checksum = &t.checksums[i];
     }

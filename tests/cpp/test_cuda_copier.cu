@@ -354,6 +354,81 @@ TEST(CudaCopier, StagedStoresReadTheBlocksAfterTheEnginesEarlierWork) {
   cudaStreamDestroy(s);
 }
 
+TEST(CudaCopier, StoresSumTheirPagesOnTheDeviceAsTheCpuDoes) {
+  // A store asked for its pages' checksums (PageMove::sum_at_fence, as a cache with a tier asks)
+  // has the device write them by its fence, each equal to the CPU's page_checksum of the bytes
+  // stored, on every path, after the engine's earlier work on the stream (a kernel still running
+  // when the store is enqueued, then a write of page 0). Layouts the device cannot sum say so.
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  struct Case {
+    const char* what;
+    std::vector<std::int64_t> bytes;
+    std::int64_t pages;
+    hicache::CudaCopierOptions opt;
+    const char* path;
+  };
+  const std::vector<Case> cases = {
+      {"layer-major, more pages than a launch takes",
+       std::vector<std::int64_t>(32, 16 << 10),
+       300,
+       {},
+       "staged"},
+      {"page-major 1 MiB", {1 << 20}, 24, {}, "dma"},
+      {"small pages ending in 1000 bytes (stripes, then bytes)",
+       {4096, 4096, 1000},
+       260,
+       kKernelOnly,
+       "kernel"},
+      {"one segment of 16 KiB + 72 bytes", {(16 << 10) + 72}, 8, {}, "kernel"},
+  };
+  cudaStream_t s;
+  CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  for (const Case& k : cases) {
+    SCOPED_TRACE(k.what);
+    DevicePool pool(k.pages, k.bytes);
+    hicache::PageLayout layout(pool.segments(), kGpu);
+    auto copier = bound_copier(layout, k.opt);
+    EXPECT_STREQ(copier->path(), k.path);
+    ASSERT_TRUE(copier->sums_on_device(layout));
+    auto host = host_slots(layout, *copier, k.pages);
+    auto memory = copier->host_allocator();
+    const std::size_t sum_bytes = static_cast<std::size_t>(k.pages) * sizeof(std::uint64_t);
+    auto* sums = static_cast<std::uint64_t*>(memory->allocate(sum_bytes));
+    std::fill(sums, sums + k.pages, 0);
+    std::vector<hicache::PageMove> out;
+    for (std::int64_t i = 0; i < k.pages; ++i) {
+      out.push_back({i, host.slot(k.pages - 1 - i)});
+      out.back().sum_at_fence = sums + i;
+    }
+    spin<<<1, 1, 0, s>>>(kSpinCycles / 8);
+    CK(cudaGetLastError());
+    pool.set_async(0, 0x3C, s);
+    copier->copy_pages(hicache::Direction::kToHost, layout, out, s);
+    copier->record(s)->wait();
+    const auto page_bytes = static_cast<std::size_t>(layout.page_bytes());
+    for (std::int64_t i = 0; i < k.pages; ++i) {
+      const auto expect = pool.page(i);
+      const auto* got = out[static_cast<std::size_t>(i)].host;
+      ASSERT_TRUE(
+          std::equal(expect.begin(), expect.end(), reinterpret_cast<const std::uint8_t*>(got)))
+          << "page " << i;
+      ASSERT_EQ(sums[i], hicache::page_checksum({got, page_bytes})) << "page " << i;
+    }
+    const auto written = pool.page(0);  // the store read it after the engine's write
+    EXPECT_TRUE(
+        std::all_of(written.begin(), written.end(), [](std::uint8_t b) { return b == 0x3C; }));
+    memory->deallocate(sums, sum_bytes);
+  }
+  cudaStreamDestroy(s);
+  // Segments the checksum's blocks would straddle, and blocks 4 bytes apart: not summed here.
+  DevicePool straddling(4, {1000, 1048});
+  DevicePool misaligned(4, {4096}, /*pad=*/4);
+  for (DevicePool* pool : {&straddling, &misaligned}) {
+    hicache::PageLayout layout(pool->segments(), kGpu);
+    EXPECT_FALSE(bound_copier(layout, {})->sums_on_device(layout));
+  }
+}
+
 TEST(CudaCopier, StagedLoadsQueuedBehindABusyStreamDoNotHoldUpOtherStreams) {
   // A load on a stream stuck behind a long kernel holds its staging windows and lands after the
   // work queued before it; a load on another stream, enqueued later, has its own staging and

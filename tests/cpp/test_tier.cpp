@@ -927,6 +927,115 @@ TEST(Tier, APageTheStoreSummedIsNotReadAgainToBeWritten) {
 
 namespace {
 
+// The CPU copier as a copier that sums stores on the device (the CUDA copier's way): each
+// stored page's checksum lands at its PageMove::sum_at_fence only when a fence recorded after
+// the store is first seen done, as a device's write does; until then the sums hold a value no
+// page has. `flip` reports each sum off by one bit.
+class DeviceSummingCopier final : public hicache::CpuCopier {
+ public:
+  explicit DeviceSummingCopier(bool flip) : flip_(flip) {}
+  bool sums_pages(const hicache::PageLayout&) const override { return false; }
+  bool sums_on_device(const hicache::PageLayout& layout) const override {
+    const auto& segs = layout.segments();
+    for (std::size_t s = 0; s + 1 < segs.size(); ++s) {
+      if (segs[s].block_bytes % 1024 != 0) return false;
+    }
+    return true;
+  }
+  void copy_pages(hicache::Direction dir, const hicache::PageLayout& layout,
+                  std::span<const hicache::PageMove> moves, hicache::StreamHandle stream) override {
+    CpuCopier::copy_pages(dir, layout, moves, stream);
+    for (const hicache::PageMove& m : moves) {
+      if (m.sum_at_fence == nullptr) continue;
+      ++asked;
+      *m.sum_at_fence = 0x5eed;  // what a slot holds before the device's write
+      const auto sum =
+          hicache::page_checksum({m.host, static_cast<std::size_t>(layout.page_bytes())});
+      pending_.push_back({m.sum_at_fence, flip_ ? sum ^ 1 : sum});
+    }
+  }
+  std::unique_ptr<hicache::Fence> record(hicache::StreamHandle) override {
+    return std::make_unique<Landing>(std::move(pending_));
+  }
+  int asked = 0;
+
+ private:
+  struct Landing final : hicache::Fence {
+    explicit Landing(std::vector<std::pair<std::uint64_t*, std::uint64_t>> w)
+        : writes(std::move(w)) {}
+    bool done() override {
+      for (auto [at, sum] : writes) *at = sum;
+      writes.clear();
+      return true;
+    }
+    void wait() noexcept override { done(); }
+    std::vector<std::pair<std::uint64_t*, std::uint64_t>> writes;
+  };
+  bool flip_;
+  std::vector<std::pair<std::uint64_t*, std::uint64_t>> pending_;
+};
+
+}  // namespace
+
+TEST(Tier, APageTheDeviceSummedIsNotReadAgainToBeWritten) {
+  // A copier that sums stores on the device (the CUDA copier) writes each page's checksum into
+  // a per-slot array of the cache once the store's fence is done, and the record takes it from
+  // there: wrong sums get the values rejected by readers (so the tier thread did not sum the
+  // page again), and a cache that read them before the fence would write the placeholder.
+  // Layouts the device cannot sum (segments not whole kilobytes but the last) are summed by the
+  // tier thread, and read back exactly.
+  struct Case {
+    const char* what;
+    std::vector<std::int64_t> segment_bytes;
+    bool wrong_sums;
+    bool device_sums;
+    bool served;
+  };
+  for (const Case& k : {Case{"two segments of 1 KiB", {1024, 1024}, false, true, true},
+                        Case{"one segment of 1000 bytes", {1000}, false, true, true},
+                        Case{"two segments of 1 KiB, wrong sums", {1024, 1024}, true, true, false},
+                        Case{"1000 + 1048 bytes: summed after", {1000, 1048}, true, false, true}}) {
+    SCOPED_TRACE(k.what);
+    auto tier = std::make_shared<MemoryTier>();
+    CacheConfig c;
+    c.block_tokens = kB;
+    c.capacity_pages = 8;
+    c.admission = hicache::Admission::kAlways;
+    std::vector<std::vector<std::uint8_t>> a_kv, b_kv;
+    std::vector<hicache::Segment> a_segs, b_segs;
+    for (std::int64_t bytes : k.segment_bytes) {
+      a_kv.emplace_back(static_cast<std::size_t>(8 * bytes));
+      for (std::size_t i = 0; i < a_kv.back().size(); ++i) {
+        a_kv.back()[i] = static_cast<std::uint8_t>(i * 29 + bytes);
+      }
+      b_kv.emplace_back(static_cast<std::size_t>(8 * bytes), 0);
+      a_segs.push_back({a_kv.back().data(), 8, bytes, bytes});
+      b_segs.push_back({b_kv.back().data(), 8, bytes, bytes});
+    }
+    auto copier = std::make_shared<DeviceSummingCopier>(k.wrong_sums);
+    HostPrefixCache a(a_segs, hicache::Device{}, c, copier, tier);
+    HostPrefixCache b(b_segs, hicache::Device{}, c, nullptr, tier);
+    const auto prompt = tokens(3 * kB + 1, 70);
+    ASSERT_EQ(a.store("a", prompt, ids(0, 3)), 3);
+    a.flush_tier();
+    ASSERT_EQ(a.stats().tier_pages_written, 3);
+    EXPECT_EQ(copier->asked, k.device_sums ? 3 : 0);
+    const auto served = b.try_resume("b", prompt, [](std::int64_t n) {
+      return std::optional<std::vector<std::int64_t>>(ids(0, n / kB));
+    });
+    EXPECT_EQ(served, k.served ? 3 * kB : 0);
+    EXPECT_EQ(b.stats().tier_pages_rejected, k.served ? 0 : 1);
+    if (k.served) {
+      for (std::size_t s = 0; s < a_kv.size(); ++s) {
+        const auto n = static_cast<std::size_t>(3 * k.segment_bytes[s]);
+        EXPECT_TRUE(std::equal(b_kv[s].begin(), b_kv[s].begin() + n, a_kv[s].begin()));
+      }
+    }
+  }
+}
+
+namespace {
+
 // A tier whose gets write their values only when they complete, `delay` after they start (as a
 // network's do), and never block.
 class LateWritingTier final : public hicache::Tier {

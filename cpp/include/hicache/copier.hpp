@@ -27,6 +27,12 @@ struct PageMove {
   /// way: a cache with a tier then need not read the page again to write it there (stores) or to
   /// check a page fetched from there (loads). Others leave it alone.
   std::optional<std::uint64_t>* checksum = nullptr;
+  /// When not null, a copier that sums stores on the device (Copier::sums_on_device: the CUDA
+  /// copier) has the device write the page's checksum here as part of a store (copy_pages to
+  /// the host): it is there once a fence recorded on the stream after copy_pages is done. Memory
+  /// the device can write: the copier's host_allocator()'s. A cache with a tier then need not
+  /// read the page on the CPU before it puts it there.
+  std::uint64_t* sum_at_fence = nullptr;
 };
 
 /// Completion marker of everything enqueued on a stream before it was recorded.
@@ -89,6 +95,13 @@ class Copier {
   /// Whether copy_pages sets PageMove::checksum for pages of `layout`, both ways, before it
   /// returns (the CPU copier, for layouts whose segments are whole kilobytes but the last).
   virtual bool sums_pages(const PageLayout& layout) const {
+    (void)layout;
+    return false;
+  }
+
+  /// Whether copy_pages to the host writes PageMove::sum_at_fence for pages of `layout` (the
+  /// CUDA copier, once bound to it, for layouts whose segments are whole kilobytes but the last).
+  virtual bool sums_on_device(const PageLayout& layout) const {
     (void)layout;
     return false;
   }

@@ -160,6 +160,8 @@ class HostPrefixCache {
     std::vector<Key> parents;  // with a tier: each stored page's parent key (salt digest first)
     // With a tier: each stored page's checksum, where the copier summed it as it copied (CPU).
     std::vector<std::optional<std::uint64_t>> checksums;
+    // With a tier: the device summed the pages as it stored them, into slot_sums_.
+    bool summed_on_device = false;
   };
 
   std::int64_t retire_completed();
@@ -246,6 +248,20 @@ class HostPrefixCache {
   CacheStats stats_;
   std::unique_ptr<AdmissionPolicy> admit_all_;  // pages fetched from the tier are being used
   Key tier_space_{};
+  // With a tier, where the copier sums stores on the device (Copier::sums_on_device): each host
+  // slot's page checksum, which the device writes as it stores the page (the copier's pinned
+  // memory), read when the store's pages are offered to the tier. Without it the tier thread
+  // reads each page back from its slot to sum it before the put.
+  struct SlotSums {
+    std::shared_ptr<HostAllocator> memory;
+    std::uint64_t* sums = nullptr;
+    std::size_t bytes = 0;
+    SlotSums(std::shared_ptr<HostAllocator> m, std::size_t slots);
+    ~SlotSums();
+    SlotSums(const SlotSums&) = delete;
+    SlotSums& operator=(const SlotSums&) = delete;
+  };
+  std::unique_ptr<SlotSums> slot_sums_;
   std::unique_ptr<TierLink> link_;  // last: stopped first, while the pools still exist
 };
 
