@@ -20,6 +20,7 @@
 #               options, 16 MiB of staging, and the DMA path
 #   mooncake    bench/tier_mooncake.py against a mooncake_master on 127.0.0.1 (the client's wheel
 #               from .deps, see scripts/fetch_gpu_deps.sh): KV on the GPU, then on the CPU
+#               ($MOONCAKE_DEVICES: which, default "cuda cpu"; $MOONCAKE_REPS: repetitions, 15)
 #   mooncake-shapes  bench/research/mooncake_shapes.py --memory there: the raw client with
 #               hicache's value shapes and host memory, one difference at a time; the NUMA layout
 #               ($SHAPES: the pages and KiB of each shape, default "64 1024,32 8192";
@@ -186,14 +187,15 @@ mooncake|mooncake-shapes)
     done
     cat "$LOGS"/bench-mooncake-shapes-*.log | grep -v '^[IWE][0-9]' > "$OUT/bench_mooncake_shapes.md"
   else
-    for dev in cuda cpu; do
+    for dev in ${MOONCAKE_DEVICES:-cuda cpu}; do
       for shape in "64 1024" "256 1024" "32 8192"; do
         set -- $shape
         run bench-mooncake-$dev-$1x$2 python3 bench/tier_mooncake.py $where --pages $1 --page-kib $2 \
           --reps ${MOONCAKE_REPS:-15} --device $dev --phases
       done
     done
-    cat "$LOGS"/bench-mooncake-{cuda,cpu}-*.log | grep -v '^[IWE][0-9]' > "$OUT/bench_mooncake.md"
+    for dev in ${MOONCAKE_DEVICES:-cuda cpu}; do cat "$LOGS"/bench-mooncake-$dev-*.log; done |
+      grep -v '^[IWE][0-9]' > "$OUT/bench_mooncake.md"
   fi
   stop_master
   ;;

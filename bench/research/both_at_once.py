@@ -37,6 +37,7 @@ POINTS = [  # (chunk bytes, segments, pages a call, block tokens)
     (32 * KIB, 64, 512, 16),  # Llama-3-8B's pool at 16-token blocks
     (256 * KIB, 1, 1024, L.B),  # the DMA path
     (512 * KIB, 2, 1024, L.B),
+    (1024 * KIB, 1, 1024, L.B),  # 1 GiB a call each way
 ]
 
 
@@ -188,12 +189,13 @@ def probe(chunk: int, nseg: int, pages: int, tokens: int, reps: int, trace_dir: 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--reps", type=int, default=9)
-    ap.add_argument("--trace", type=Path, help="also write Chrome traces of the first point's cases here")
+    ap.add_argument("--trace", type=Path, help="also write Chrome traces of the first point run's cases here")
     ap.add_argument("--points", type=int, default=len(POINTS), help="only the first N points")
+    ap.add_argument("--skip", type=int, default=0, help="skip the first N points")
     args = ap.parse_args()
     if not torch.cuda.is_available() or not hicache.cuda_available():
         sys.exit("needs a CUDA GPU and a CUDA build of hicache")
-    for i, point in enumerate(POINTS[: args.points]):
+    for i, point in enumerate(POINTS[args.skip : args.points]):
         probe(*point, reps=args.reps, trace_dir=args.trace if i == 0 else None)
         torch.cuda.empty_cache()
 
