@@ -357,7 +357,7 @@ void HostPrefixCache::write_to_tier(Transfer& t) {
     Entry* e = t.pages[j];
     pages_.pin(e);  // until its value was put
     std::optional<std::uint64_t> sum;
-    if (t.summed_on_device) {
+    if (slot_sums_) {
       sum = slot_sums_->sums[e->slot];  // the store's fence is done: the device wrote it
     } else if (!t.checksums.empty()) {
       sum = t.checksums[j];
@@ -824,14 +824,14 @@ std::int64_t HostPrefixCache::store(std::string_view request_id,
           e->tokens.assign(page.begin(), page.end());
           pages_.add_edge(e, detail::page_fingerprint(page));
           moves.push_back({block_ids[i], host});
-          if (link_ && slot_sums_) moves.back().sum_at_fence = slot_sums_->sums + e->slot;
+          if (slot_sums_) moves.back().sum_at_fence = slot_sums_->sums + e->slot;
           t.pages.push_back(e);
           if (link_) t.parents.push_back(i == 0 ? tier_salt_digest(chain_salt) : keys[i - 1]);
           return true;
         });
-    if (link_ && slot_sums_) {  // the device sums the pages as it stores them
-      t.summed_on_device = true;
-    } else if (link_) {  // the copier may sum the pages as it copies them (tier records need them)
+    // The copier may sum the pages as it copies them (tier records need the sums), unless the
+    // device sums them into slot_sums_.
+    if (link_ && !slot_sums_) {
       t.checksums.resize(moves.size());
       for (std::size_t i = 0; i < moves.size(); ++i) moves[i].checksum = &t.checksums[i];
     }

@@ -1,6 +1,6 @@
 #pragma once
 // The page checksum's definition, step by step (internal): one source for the CPU's forms
-// (page_checksum.cpp) and the GPU's (cpp/cuda/page_sum_kernel.cuh), so that a page summed on the
+// (page_checksum.cpp) and the GPU's (cpp/cuda/device_sums.cu), so that a page summed on the
 // device as a store copies it reads the same value as the CPU's sum of its host bytes.
 //
 // A page is cut into 1 KiB blocks of sixteen 64-byte stripes. Lane i (0-7) of stripe s adds

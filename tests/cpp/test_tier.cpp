@@ -870,6 +870,46 @@ class MisSummingCopier final : public hicache::CpuCopier {
   }
 };
 
+// Host A (over `copier`, the CPU copier if null) stores a 3-page prompt into a shared tier, in
+// pages of `segment_bytes` segments; host B (the CPU copier) resumes it from the tier: served
+// byte for byte, or (`served` false) its first page rejected and nothing served.
+void expect_served_through_tier(const std::vector<std::int64_t>& segment_bytes,
+                                std::shared_ptr<hicache::Copier> copier, bool served) {
+  auto tier = std::make_shared<MemoryTier>();
+  CacheConfig c;
+  c.block_tokens = kB;
+  c.capacity_pages = 8;
+  c.admission = hicache::Admission::kAlways;
+  std::vector<std::vector<std::uint8_t>> a_kv, b_kv;
+  std::vector<hicache::Segment> a_segs, b_segs;
+  for (std::int64_t bytes : segment_bytes) {
+    a_kv.emplace_back(static_cast<std::size_t>(8 * bytes));
+    for (std::size_t i = 0; i < a_kv.back().size(); ++i) {
+      a_kv.back()[i] = static_cast<std::uint8_t>(i * 31 + bytes);
+    }
+    b_kv.emplace_back(static_cast<std::size_t>(8 * bytes), 0);
+    a_segs.push_back({a_kv.back().data(), 8, bytes, bytes});
+    b_segs.push_back({b_kv.back().data(), 8, bytes, bytes});
+  }
+  HostPrefixCache a(a_segs, hicache::Device{}, c, std::move(copier), tier);
+  HostPrefixCache b(b_segs, hicache::Device{}, c, nullptr, tier);
+  const auto prompt = tokens(3 * kB + 1, 60);
+  ASSERT_EQ(a.store("a", prompt, ids(0, 3)), 3);
+  a.flush_tier();
+  ASSERT_EQ(a.stats().tier_pages_written, 3);
+  const auto got = b.try_resume("b", prompt, [](std::int64_t n) {
+    return std::optional<std::vector<std::int64_t>>(ids(0, n / kB));
+  });
+  EXPECT_EQ(got, served ? 3 * kB : 0);
+  EXPECT_EQ(b.stats().tier_pages_rejected, served ? 0 : 1);
+  if (served) {
+    for (std::size_t s = 0; s < a_kv.size(); ++s) {
+      const auto n = static_cast<std::size_t>(3 * segment_bytes[s]);
+      EXPECT_TRUE(std::equal(b_kv[s].begin(), b_kv[s].begin() + n, a_kv[s].begin()));
+    }
+  }
+}
+
 }  // namespace
 
 TEST(Tier, APageTheStoreSummedIsNotReadAgainToBeWritten) {
@@ -887,41 +927,9 @@ TEST(Tier, APageTheStoreSummedIsNotReadAgainToBeWritten) {
                         Case{"two segments of 1 KiB, wrong sums", {1024, 1024}, true, false},
                         Case{"1000 + 1048 bytes: summed after", {1000, 1048}, true, true}}) {
     SCOPED_TRACE(k.what);
-    auto tier = std::make_shared<MemoryTier>();
-    CacheConfig c;
-    c.block_tokens = kB;
-    c.capacity_pages = 8;
-    c.admission = hicache::Admission::kAlways;
-    std::vector<std::vector<std::uint8_t>> a_kv, b_kv;
-    std::vector<hicache::Segment> a_segs, b_segs;
-    for (std::int64_t bytes : k.segment_bytes) {
-      a_kv.emplace_back(static_cast<std::size_t>(8 * bytes));
-      for (std::size_t i = 0; i < a_kv.back().size(); ++i) {
-        a_kv.back()[i] = static_cast<std::uint8_t>(i * 31 + bytes);
-      }
-      b_kv.emplace_back(static_cast<std::size_t>(8 * bytes), 0);
-      a_segs.push_back({a_kv.back().data(), 8, bytes, bytes});
-      b_segs.push_back({b_kv.back().data(), 8, bytes, bytes});
-    }
     std::shared_ptr<hicache::Copier> copier;
     if (k.wrong_sums) copier = std::make_shared<MisSummingCopier>();
-    HostPrefixCache a(a_segs, hicache::Device{}, c, copier, tier);
-    HostPrefixCache b(b_segs, hicache::Device{}, c, nullptr, tier);
-    const auto prompt = tokens(3 * kB + 1, 60);
-    ASSERT_EQ(a.store("a", prompt, ids(0, 3)), 3);
-    a.flush_tier();
-    ASSERT_EQ(a.stats().tier_pages_written, 3);
-    const auto served = b.try_resume("b", prompt, [](std::int64_t n) {
-      return std::optional<std::vector<std::int64_t>>(ids(0, n / kB));
-    });
-    EXPECT_EQ(served, k.served ? 3 * kB : 0);
-    EXPECT_EQ(b.stats().tier_pages_rejected, k.served ? 0 : 1);
-    if (k.served) {
-      for (std::size_t s = 0; s < a_kv.size(); ++s) {
-        const auto n = static_cast<std::size_t>(3 * k.segment_bytes[s]);
-        EXPECT_TRUE(std::equal(b_kv[s].begin(), b_kv[s].begin() + n, a_kv[s].begin()));
-      }
-    }
+    expect_served_through_tier(k.segment_bytes, copier, k.served);
   }
 }
 
@@ -996,41 +1004,9 @@ TEST(Tier, APageTheDeviceSummedIsNotReadAgainToBeWritten) {
                         Case{"two segments of 1 KiB, wrong sums", {1024, 1024}, true, true, false},
                         Case{"1000 + 1048 bytes: summed after", {1000, 1048}, true, false, true}}) {
     SCOPED_TRACE(k.what);
-    auto tier = std::make_shared<MemoryTier>();
-    CacheConfig c;
-    c.block_tokens = kB;
-    c.capacity_pages = 8;
-    c.admission = hicache::Admission::kAlways;
-    std::vector<std::vector<std::uint8_t>> a_kv, b_kv;
-    std::vector<hicache::Segment> a_segs, b_segs;
-    for (std::int64_t bytes : k.segment_bytes) {
-      a_kv.emplace_back(static_cast<std::size_t>(8 * bytes));
-      for (std::size_t i = 0; i < a_kv.back().size(); ++i) {
-        a_kv.back()[i] = static_cast<std::uint8_t>(i * 29 + bytes);
-      }
-      b_kv.emplace_back(static_cast<std::size_t>(8 * bytes), 0);
-      a_segs.push_back({a_kv.back().data(), 8, bytes, bytes});
-      b_segs.push_back({b_kv.back().data(), 8, bytes, bytes});
-    }
     auto copier = std::make_shared<DeviceSummingCopier>(k.wrong_sums);
-    HostPrefixCache a(a_segs, hicache::Device{}, c, copier, tier);
-    HostPrefixCache b(b_segs, hicache::Device{}, c, nullptr, tier);
-    const auto prompt = tokens(3 * kB + 1, 70);
-    ASSERT_EQ(a.store("a", prompt, ids(0, 3)), 3);
-    a.flush_tier();
-    ASSERT_EQ(a.stats().tier_pages_written, 3);
+    expect_served_through_tier(k.segment_bytes, copier, k.served);
     EXPECT_EQ(copier->asked, k.device_sums ? 3 : 0);
-    const auto served = b.try_resume("b", prompt, [](std::int64_t n) {
-      return std::optional<std::vector<std::int64_t>>(ids(0, n / kB));
-    });
-    EXPECT_EQ(served, k.served ? 3 * kB : 0);
-    EXPECT_EQ(b.stats().tier_pages_rejected, k.served ? 0 : 1);
-    if (k.served) {
-      for (std::size_t s = 0; s < a_kv.size(); ++s) {
-        const auto n = static_cast<std::size_t>(3 * k.segment_bytes[s]);
-        EXPECT_TRUE(std::equal(b_kv[s].begin(), b_kv[s].begin() + n, a_kv[s].begin()));
-      }
-    }
   }
 }
 

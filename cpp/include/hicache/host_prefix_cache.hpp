@@ -158,10 +158,9 @@ class HostPrefixCache {
     std::vector<Entry*> pages;
     std::vector<Entry*> states;
     std::vector<Key> parents;  // with a tier: each stored page's parent key (salt digest first)
-    // With a tier: each stored page's checksum, where the copier summed it as it copied (CPU).
+    // With a tier: each stored page's checksum, where the copier summed it as it copied (CPU);
+    // where the device sums stores (slot_sums_), that holds them instead.
     std::vector<std::optional<std::uint64_t>> checksums;
-    // With a tier: the device summed the pages as it stored them, into slot_sums_.
-    bool summed_on_device = false;
   };
 
   std::int64_t retire_completed();
