@@ -25,18 +25,16 @@
 #include "fuzz_engine.hpp"
 #include "hicache/hicache.hpp"
 
+const char* const hicache_fuzz::kTarget = "hicache fuzz";
+
 namespace {
 
 using hicache_fuzz::digest;
+using hicache_fuzz::fail;
 using hicache_fuzz::kB;
 using hicache_fuzz::kBlocks;
 using hicache_fuzz::kBytes;
 constexpr std::int64_t kStateBytes = 8;
-
-[[noreturn]] void fail(const char* what) {
-  std::fprintf(stderr, "hicache fuzz: %s\n", what);
-  std::abort();
-}
 
 }  // namespace
 

@@ -1,15 +1,26 @@
 #pragma once
 // What the C++ fuzz targets share (fuzz_cache.cpp, fuzz_tier.cpp): a toy engine of one segment
-// whose blocks hold the "KV" of their prefix, and the prompts and block tables an input decodes
-// into.
+// whose blocks hold the "KV" of their prefix, the prompts and block tables an input decodes
+// into, and how a target reports a broken invariant.
 
 #include <fuzzer/FuzzedDataProvider.h>
 
 #include <cstddef>
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 #include <vector>
 
 namespace hicache_fuzz {
+
+/// The target's name in what fail() prints (each target defines it).
+extern const char* const kTarget;
+
+/// A broken invariant: says which, and aborts (libFuzzer keeps the input that did it).
+[[noreturn]] inline void fail(const char* what) {
+  std::fprintf(stderr, "%s: %s\n", kTarget, what);
+  std::abort();
+}
 
 constexpr std::int64_t kB = 4;        // tokens per block
 constexpr std::int64_t kBlocks = 12;  // engine blocks

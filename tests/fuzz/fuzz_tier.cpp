@@ -40,17 +40,15 @@
 #include "fuzz_engine.hpp"
 #include "hicache/hicache.hpp"
 
+const char* const hicache_fuzz::kTarget = "hicache tier fuzz";
+
 namespace {
 
 using hicache_fuzz::digest;  // with a salt: two tenants' models differ
+using hicache_fuzz::fail;
 using hicache_fuzz::kB;
 using hicache_fuzz::kBlocks;  // a host's
 using hicache_fuzz::kBytes;
-
-[[noreturn]] void fail(const char* what) {
-  std::fprintf(stderr, "hicache tier fuzz: %s\n", what);
-  std::abort();
-}
 
 struct Host {
   std::vector<std::uint64_t> blocks = std::vector<std::uint64_t>(kBlocks, 0);
