@@ -19,7 +19,8 @@ Measured side by side in one run, same pages and sizes:
 the GPU into host slots and ``try_resume`` loads into GPU blocks (the time includes waiting for
 that load). The raw client's get of one page is timed too, beside the added latency of a tier hit.
 ``--phases`` also splits hicache's put, try_resume and prefetch into the time before the client's
-first call, inside the client's calls, between them, and after the last one (medians, ms).
+first call, inside the client's calls, between them, and after the last one (medians, ms), and
+try_resume's time after the last get into its parts, beside a host hit of the same pages.
 
 The link on this kind of machine (two clients over loopback TCP on 2 cores) swings by tens of
 percent from one call to the next, so the table gives medians, with the best in parentheses.
@@ -170,12 +171,33 @@ def main() -> None:
         assert a.stats().tier_pages_written == written + n, a.stats().tier_last_error
         kv_b[:] = 0
         sync()
+        allocated: list[float] = []
+
+        def allocate(k: int, allocated: list[float] = allocated) -> list[int]:
+            allocated.append(time.perf_counter())
+            return list(range(k // B))
+
         t = time.perf_counter()
-        served = b.try_resume(f"b{rep}", prompt, lambda k: list(range(k // B)))
+        served = b.try_resume(f"b{rep}", prompt, allocate)
+        returned = time.perf_counter()
         sync()  # the load into the engine's blocks is part of the hit
         hc_get = time.perf_counter() - t
+        last_get = max((e for _, e in tb.calls if e <= t + hc_get), default=t)
         get_phases = phases(tb, t, t + hc_get)
         assert served == n * B and same(kv_a, kv_b), (served, b.stats().tier_last_error)
+        # The after-phase, split: until the engine's blocks are asked for (records checked,
+        # pages published, the walk), until try_resume returns (the load enqueued, the pages'
+        # bytes checked), until the load is done; and a host hit of the same pages (the load
+        # alone: its pages are checked now).
+        t_host = time.perf_counter()
+        assert b.try_resume(f"b2{rep}", prompt, lambda k: list(range(k // B))) == n * B
+        sync()
+        after_split = (
+            allocated[0] - last_get,
+            returned - allocated[0],
+            t + hc_get - returned,
+            time.perf_counter() - t_host,
+        )
         fetched = d.stats().tier_pages_fetched
         t = time.perf_counter()
         assert d.try_resume(f"d{rep}", prompt, lambda k: list(range(k // B))) == 0
@@ -209,6 +231,7 @@ def main() -> None:
                 raw_one * 1e6,
                 gb / raw_get_load,
                 (put_phases, get_phases, fetch_phases),
+                after_split,
             )
         )
         ta.calls.clear()
@@ -248,6 +271,12 @@ def main() -> None:
         for k, name in enumerate(["put", "try_resume", "prefetch"]):
             cols = [statistics.median(r[8][k][j] for r in rows) * 1e3 for j in range(4)]
             print(f"| {name} | " + " | ".join(f"{c:.2f}" for c in cols) + " |")
+        cols = [statistics.median(r[9][j] for r in rows) * 1e3 for j in range(4)]
+        print(
+            "\ntry_resume after the last get (ms, medians): to the allocate call "
+            f"{cols[0]:.2f}, to its return {cols[1]:.2f}, to the load's end {cols[2]:.2f}; "
+            f"a host hit of the same pages: {cols[3]:.2f}"
+        )
     ta.close()
     tb.close()
 

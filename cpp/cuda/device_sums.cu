@@ -12,9 +12,21 @@ namespace {
 namespace def = detail::checksum_def;
 using u64 = def::u64;
 
-constexpr int kThreads = 128;  // 16 pages a CTA, 4 a warp
-static_assert(kThreads % 32 == 0 && 32 % def::kLanes == 0);
-constexpr int kWords = static_cast<int>(def::kBlock / sizeof(u64));  // a block's words
+// A CTA a page. A page's checksum is one chain of scrambles over its kilobyte blocks, but what a
+// block adds to a lane before its scramble is a plain sum (accumulate is an add), so eight warps
+// add up each block's lanes, 64 blocks (64 KiB) a chunk, while a ninth runs the chain over the
+// chunk before (its first eight threads, one a checksum lane): 64 KiB of a page in flight at a
+// time. Eight threads a page that loaded each block themselves, one block ahead, made a store
+// of one 8.6 MiB page (MLA, 61 x 144 KiB) take 3.5 ms on an H100 where its copy took 0.27, and
+// one of 32 pages of 8 MiB 1.8 times its copy; a CTA a page adds 0-0.1 ms to a store of any
+// size (bench/research/store_sums.py, BENCHMARKS.md).
+constexpr int kLoadWarps = 8;
+constexpr int kLoaders = kLoadWarps * 32;
+constexpr int kRows = 2;                          // blocks a loader adds up a chunk
+constexpr int kRowStep = kLoaders / def::kLanes;  // 32: a loader's rows apart
+constexpr int kChunk = kRowStep * kRows;          // 64 blocks a chunk
+constexpr int kThreads = kLoaders + 32;           // the loaders and the chain's warp
+static_assert(32 % def::kLanes == 0);
 
 struct SumBatch {
   int count;
@@ -27,72 +39,107 @@ __device__ __forceinline__ u64 word(const u64* p) {
   return static_cast<u64>(__ldcs(reinterpret_cast<const unsigned long long*>(p)));
 }
 
-// Lane `lane`'s words of one whole block (stripe s: word s * 8 + lane), loaded ahead.
-__device__ __forceinline__ void load_block(u64 (&v)[def::kStripes], const u64* w) {
-#pragma unroll
-  for (int s = 0; s < def::kStripes; ++s) v[s] = word(w + s * def::kLanes);
-}
+// Where a page's whole blocks are, one after another across its segments (each segment but the
+// last holds whole blocks: can_sum): segment g, block `at` of it.
+struct BlockCursor {
+  int g = 0;
+  long long at = 0;
+  __device__ void skip(const SegmentDesc* segs, int nseg, long long n) {
+    at += n;
+    while (g < nseg) {
+      const long long have = segs[g].bytes / static_cast<long long>(def::kBlock);
+      if (at < have) return;
+      at -= have;
+      ++g;
+    }
+  }
+  __device__ const u64* words(const SegmentDesc* segs, long long block) const {
+    const SegmentDesc& sg = segs[g];
+    return reinterpret_cast<const u64*>(sg.base + block * sg.stride +
+                                        at * static_cast<long long>(def::kBlock));
+  }
+};
 
-// Thread t sums lane t % 8 of page t / 8; the page's first thread folds the lanes and writes the
-// checksum to its sum_at_fence. Each thread loads a block ahead of the one it adds up, so 16-32
-// loads of each are in flight (a page is one sequential chain).
 __global__ void __launch_bounds__(kThreads)
     page_sum_kernel(const SegmentDesc* __restrict__ segs, int nseg, u64 page_bytes,
                     SumBatch batch) {
-  const int lane = static_cast<int>(threadIdx.x) % def::kLanes;
-  const int page = static_cast<int>((blockIdx.x * blockDim.x + threadIdx.x) / def::kLanes);
+  __shared__ u64 adds[2][kChunk][def::kLanes];  // a chunk's blocks' sums by lane, two chunks
+  const int t = static_cast<int>(threadIdx.x);
+  const int lane = t % def::kLanes;
+  const bool loader = t < kLoaders;
+  const long long block = batch.blocks[blockIdx.x];
+  long long whole = 0;  // the page's whole blocks
+  for (int g = 0; g < nseg; ++g) whole += segs[g].bytes / static_cast<long long>(def::kBlock);
+  const long long chunks = (whole + kChunk - 1) / kChunk;
+
   u64 k[def::kStripes];
 #pragma unroll
   for (int s = 0; s < def::kStripes; ++s) k[s] = def::secret(s + lane);
-  const u64 ks = def::secret(def::kStripes + lane);
-  u64 acc = def::secret(lane);
-  const unsigned char* tail = nullptr;  // the bytes after the page's last whole stripe
-  int tail_bytes = 0;
-  if (page < batch.count) {
-    const long long block = batch.blocks[page];
-    for (int g = 0; g < nseg; ++g) {
-      const SegmentDesc sg = segs[g];
-      const char* base = sg.base + block * sg.stride;
-      const u64* w = reinterpret_cast<const u64*>(base) + lane;
-      const long long blocks = sg.bytes / static_cast<long long>(def::kBlock);
-      u64 v[def::kStripes], next[def::kStripes];
-      if (blocks > 0) load_block(v, w);
-      for (long long b = 0; b < blocks; ++b) {
-        if (b + 1 < blocks) load_block(next, w + kWords);
+  // A loader adds up lane `lane` of rows row0 and row0 + 32 of each chunk (the page's blocks
+  // chunk * 64 + row).
+  const int row0 = t / def::kLanes;
+  BlockCursor at[kRows];
+  if (loader) {
 #pragma unroll
-        for (int s = 0; s < def::kStripes; ++s) acc = def::accumulate(acc, v[s], k[s]);
-        acc = def::scramble(acc, ks);
-        if (b + 1 < blocks) {
-#pragma unroll
-          for (int s = 0; s < def::kStripes; ++s) v[s] = next[s];
-        }
-        w += kWords;
-      }
-      // Only the last segment ends inside a block (can_sum): its stripes, then its bytes.
-      const long long rest = sg.bytes - blocks * static_cast<long long>(def::kBlock);
-      if (rest > 0) {
-        const int stripes = static_cast<int>(rest / static_cast<long long>(def::kStripe));
-#pragma unroll
-        for (int s = 0; s < def::kStripes; ++s) {
-          if (s < stripes) acc = def::accumulate(acc, word(w + s * def::kLanes), k[s]);
-        }
-        tail = reinterpret_cast<const unsigned char*>(base) + (sg.bytes - rest % def::kStripe);
-        tail_bytes = static_cast<int>(rest % static_cast<long long>(def::kStripe));
-      }
-    }
+    for (int r = 0; r < kRows; ++r) at[r].skip(segs, nseg, row0 + r * kRowStep);
   }
-  // The page's eight lanes to its first thread (the whole warp takes part in each shuffle).
+  const u64 ks = def::secret(def::kStripes + lane);
+  u64 acc = def::secret(lane);  // the chain's (threads kLoaders .. kLoaders + 7)
+  for (long long c = 0; c <= chunks; ++c) {
+    if (loader && c < chunks) {
+      // Every load of both rows first (32 in flight a thread), then their sums.
+      u64 w[kRows][def::kStripes] = {};
+#pragma unroll
+      for (int r = 0; r < kRows; ++r) {
+        if (c * kChunk + row0 + r * kRowStep < whole) {
+          const u64* p = at[r].words(segs, block) + lane;
+#pragma unroll
+          for (int s = 0; s < def::kStripes; ++s) w[r][s] = word(p + s * def::kLanes);
+        }
+      }
+#pragma unroll
+      for (int r = 0; r < kRows; ++r) {
+        u64 sum = 0;
+#pragma unroll
+        for (int s = 0; s < def::kStripes; ++s) sum = def::accumulate(sum, w[r][s], k[s]);
+        adds[c & 1][row0 + r * kRowStep][lane] = sum;  // rows past the page's end: never read
+        at[r].skip(segs, nseg, kChunk);
+      }
+    } else if (!loader && c > 0 && t - kLoaders < def::kLanes) {
+      const long long first = (c - 1) * kChunk;
+      const int rows = static_cast<int>(min(static_cast<long long>(kChunk), whole - first));
+      const u64(&in)[kChunk][def::kLanes] = adds[(c - 1) & 1];
+#pragma unroll 8
+      for (int row = 0; row < rows; ++row) acc = def::scramble(acc + in[row][lane], ks);
+    }
+    __syncthreads();  // chunk c's sums are in; the chain is done with chunk c - 1's buffer
+  }
+  if (loader) return;
+  // The last segment's bytes after its whole blocks: its whole stripes (no scramble), then its
+  // bytes one at a time after the fold.
+  const SegmentDesc& last = segs[nseg - 1];
+  const long long last_whole = last.bytes / static_cast<long long>(def::kBlock);
+  const long long rest = last.bytes - last_whole * static_cast<long long>(def::kBlock);
+  const char* end =
+      last.base + block * last.stride + last_whole * static_cast<long long>(def::kBlock);
+  const int stripes = static_cast<int>(rest / static_cast<long long>(def::kStripe));
+  if (t - kLoaders < def::kLanes) {
+    const u64* p = reinterpret_cast<const u64*>(end) + lane;
+    for (int s = 0; s < stripes; ++s) acc = def::accumulate(acc, word(p + s * def::kLanes), k[s]);
+  }
+  // The eight lanes to the warp's first thread.
   u64 lanes[def::kLanes];
-  const int first = (static_cast<int>(threadIdx.x) % 32) & ~(def::kLanes - 1);
 #pragma unroll
   for (int i = 0; i < def::kLanes; ++i) {
-    lanes[i] =
-        static_cast<u64>(__shfl_sync(0xffffffffu, static_cast<unsigned long long>(acc), first + i));
+    lanes[i] = static_cast<u64>(__shfl_sync(0xffffffffu, static_cast<unsigned long long>(acc), i));
   }
-  if (page >= batch.count || lane != 0) return;
+  if (t != kLoaders) return;
   u64 h = def::fold(lanes, page_bytes);
-  for (int i = 0; i < tail_bytes; ++i) h = def::tail_byte(h, tail[i]);
-  *batch.out[page] = def::finish(h);
+  const auto* tail = reinterpret_cast<const unsigned char*>(end) + stripes * def::kStripe;
+  for (int i = 0; i < static_cast<int>(rest % static_cast<long long>(def::kStripe)); ++i) {
+    h = def::tail_byte(h, tail[i]);
+  }
+  *batch.out[blockIdx.x] = def::finish(h);
 }
 
 }  // namespace
@@ -147,9 +194,7 @@ cudaEvent_t DeviceSums::fork(std::span<const PageMove> moves, cudaStream_t s) {
   SumBatch batch;
   batch.count = 0;
   auto launch = [&] {
-    const int pages_a_cta = kThreads / def::kLanes;
-    const int ctas = (batch.count + pages_a_cta - 1) / pages_a_cta;
-    page_sum_kernel<<<ctas, kThreads, 0, ours>>>(rows_, segments_, page_bytes_, batch);
+    page_sum_kernel<<<batch.count, kThreads, 0, ours>>>(rows_, segments_, page_bytes_, batch);
     HICACHE_CUDA_CHECK(cudaGetLastError());
     batch.count = 0;
   };

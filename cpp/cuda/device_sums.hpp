@@ -10,8 +10,9 @@
 // few CTAs on a stream of its own, forked from the store's stream before the copy and joined
 // after it, so a fence recorded after the store covers the sums too.
 //
-// A page's checksum is sequential over its kilobyte blocks (page_checksum_def.hpp): eight
-// threads sum a page, each one lane of every stripe, and the page's first thread folds them.
+// A page's checksum is a chain over its kilobyte blocks (page_checksum_def.hpp), but what each
+// block adds to the chain is a plain sum: a CTA sums a page, eight warps adding up its blocks 64
+// at a time while a ninth runs the chain over the 64 before (device_sums.cu).
 
 #include <cuda_runtime.h>
 

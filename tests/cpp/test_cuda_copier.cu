@@ -380,6 +380,10 @@ TEST(CudaCopier, StoresSumTheirPagesOnTheDeviceAsTheCpuDoes) {
        kKernelOnly,
        "kernel"},
       {"one segment of 16 KiB + 72 bytes", {(16 << 10) + 72}, 8, {}, "kernel"},
+      // A page's blocks are summed 64 at a time across its segments: chunks that start and end
+      // inside segments, and a page of many chunks.
+      {"30 segments of 3 KiB", std::vector<std::int64_t>(30, 3 << 10), 40, {}, "kernel"},
+      {"page-major 8 MiB + 8 bytes", {(8 << 20) + 8}, 3, {}, "dma"},
   };
   cudaStream_t s;
   CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
