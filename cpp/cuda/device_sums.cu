@@ -15,11 +15,12 @@ using u64 = def::u64;
 // A CTA a page. A page's checksum is one chain of scrambles over its kilobyte blocks, but what a
 // block adds to a lane before its scramble is a plain sum (accumulate is an add), so eight warps
 // add up each block's lanes, 64 blocks (64 KiB) a chunk, while a ninth runs the chain over the
-// chunk before (its first eight threads, one a checksum lane): 64 KiB of a page in flight at a
-// time. Eight threads a page that loaded each block themselves, one block ahead, made a store
-// of one 8.6 MiB page (MLA, 61 x 144 KiB) take 3.5 ms on an H100 where its copy took 0.27, and
-// one of 32 pages of 8 MiB 1.8 times its copy; a CTA a page adds 0-0.1 ms to a store of any
-// size (bench/research/store_sums.py, BENCHMARKS.md).
+// chunk before (its first eight threads, one a checksum lane), and each loader's next chunk is
+// loaded while it waits at the barrier. Eight threads a page that loaded each block themselves,
+// one block ahead, made a store of one 8.6 MiB page (MLA, 61 x 144 KiB) take 3.5 ms on an H100
+// where its copy took 0.27, and one of 32 pages of 8 MiB 1.8 times its copy. A CTA a page keeps
+// stores of many pages within a few percent of their time without the sums, and adds 0.01-0.07
+// ms to a one-page store (bench/research/store_sums.py, BENCHMARKS.md).
 constexpr int kLoadWarps = 8;
 constexpr int kLoaders = kLoadWarps * 32;
 constexpr int kRows = 2;                          // blocks a loader adds up a chunk
@@ -85,26 +86,31 @@ __global__ void __launch_bounds__(kThreads)
   }
   const u64 ks = def::secret(def::kStripes + lane);
   u64 acc = def::secret(lane);  // the chain's (threads kLoaders .. kLoaders + 7)
+  // A loader's words of the chunk it adds up next: loaded one chunk ahead, so that the loads
+  // cross the barrier and the chain's turn instead of waiting for them.
+  u64 w[kRows][def::kStripes] = {};
+  const auto load = [&](long long c) {
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+      if (c * kChunk + row0 + r * kRowStep < whole) {  // else its sum goes to a row never read
+        const u64* p = at[r].words(segs, block) + lane;
+#pragma unroll
+        for (int s = 0; s < def::kStripes; ++s) w[r][s] = word(p + s * def::kLanes);
+      }
+      at[r].skip(segs, nseg, kChunk);
+    }
+  };
+  if (loader && chunks > 0) load(0);
   for (long long c = 0; c <= chunks; ++c) {
     if (loader && c < chunks) {
-      // Every load of both rows first (32 in flight a thread), then their sums.
-      u64 w[kRows][def::kStripes] = {};
-#pragma unroll
-      for (int r = 0; r < kRows; ++r) {
-        if (c * kChunk + row0 + r * kRowStep < whole) {
-          const u64* p = at[r].words(segs, block) + lane;
-#pragma unroll
-          for (int s = 0; s < def::kStripes; ++s) w[r][s] = word(p + s * def::kLanes);
-        }
-      }
 #pragma unroll
       for (int r = 0; r < kRows; ++r) {
         u64 sum = 0;
 #pragma unroll
         for (int s = 0; s < def::kStripes; ++s) sum = def::accumulate(sum, w[r][s], k[s]);
-        adds[c & 1][row0 + r * kRowStep][lane] = sum;  // rows past the page's end: never read
-        at[r].skip(segs, nseg, kChunk);
+        adds[c & 1][row0 + r * kRowStep][lane] = sum;
       }
+      if (c + 1 < chunks) load(c + 1);
     } else if (!loader && c > 0 && t - kLoaders < def::kLanes) {
       const long long first = (c - 1) * kChunk;
       const int rows = static_cast<int>(min(static_cast<long long>(kChunk), whole - first));
