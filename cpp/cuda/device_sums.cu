@@ -19,7 +19,7 @@ using u64 = def::u64;
 // loaded while it waits at the barrier. Eight threads a page that loaded each block themselves,
 // one block ahead, made a store of one 8.6 MiB page (MLA, 61 x 144 KiB) take 3.5 ms on an H100
 // where its copy took 0.27, and one of 32 pages of 8 MiB 1.8 times its copy. A CTA a page keeps
-// stores of many pages within a few percent of their time without the sums, and adds 0.01-0.07
+// stores of many pages within a few percent of their time without the sums, and adds at most 0.07
 // ms to a one-page store (bench/research/store_sums.py, BENCHMARKS.md).
 constexpr int kLoadWarps = 8;
 constexpr int kLoaders = kLoadWarps * 32;
