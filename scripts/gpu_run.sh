@@ -30,6 +30,9 @@
 #   ab          $AB_CMD over two wheels in turn: this tree's and this tree with $AB_BASE's files
 #               (as they were before a change) put back; AB_MOONCAKE=1 starts a mooncake_master
 #               for it first ($where: bench/tier_mooncake.py's arguments to reach it)
+#   store-sums  bench/research/store_sums.py: a GPU cache's store with the tier's page sums on the
+#               device against the same store without them, one page to 1024 (what the sums cost
+#               the store they run beside)
 #   call-profile  bench/research/call_profile.py: the CUDA calls a store and a load of ~1000
 #               small-block pages make, and how long the calls take to return
 #   disk        bench/disk_tier.py on the device machine's local disk (write-back, read, one-page
@@ -228,6 +231,10 @@ ab)
     done
   done
   [ "${AB_MOONCAKE:-0}" = 1 ] && stop_master
+  ;;
+store-sums)
+  run bench-store-sums python3 bench/research/store_sums.py --reps 11
+  cp "$LOGS/bench-store-sums.log" "$OUT/bench_store_sums.md"
   ;;
 call-profile)
   run bench-call-profile python3 bench/research/call_profile.py
