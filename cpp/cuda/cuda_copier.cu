@@ -271,8 +271,7 @@ class CudaCopier final : public Copier {
     plan_.reset();
     table_ = std::make_unique<SegmentTable>(segment_rows(layout), vec_, opt_.threads);
     if (DeviceSums::can_sum(layout)) {
-      sums_ = std::make_unique<DeviceSums>(table_->rows(), table_->count(),
-                                           static_cast<std::size_t>(layout.page_bytes()));
+      sums_ = std::make_unique<DeviceSums>(table_->rows(), table_->count(), layout);
     }
     if (path_ == CopyPath::kStaged) {
       plan_ = std::make_unique<StagingPlan>(layout, opt_.staging_bytes / StagingLane::kWindows,
@@ -301,6 +300,8 @@ class CudaCopier final : public Copier {
         moves.size() * layout.page_bytes(), s,
         [&] { copy_whole_pages(Direction::kToDevice, moves, s); },
         [&] { table_->launch(Direction::kToDevice, moves, express_blocks_, s); });
+    // A load's sums, where asked, of the bytes as they landed, after its copy on its stream.
+    if (sums_ != nullptr) sums_->after(moves, s);
   }
 
   // One layer's segments of each page (layer-wise loads): chunks of kLayerDmaMinChunk and more

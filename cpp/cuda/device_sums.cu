@@ -62,15 +62,13 @@ struct BlockCursor {
 };
 
 __global__ void __launch_bounds__(kThreads)
-    page_sum_kernel(const SegmentDesc* __restrict__ segs, int nseg, u64 page_bytes,
+    page_sum_kernel(const SegmentDesc* __restrict__ segs, int nseg, u64 page_bytes, long long whole,
                     SumBatch batch) {
   __shared__ u64 adds[2][kChunk][def::kLanes];  // a chunk's blocks' sums by lane, two chunks
   const int t = static_cast<int>(threadIdx.x);
   const int lane = t % def::kLanes;
   const bool loader = t < kLoaders;
   const long long block = batch.blocks[blockIdx.x];
-  long long whole = 0;  // the page's whole blocks
-  for (int g = 0; g < nseg; ++g) whole += segs[g].bytes / static_cast<long long>(def::kBlock);
   const long long chunks = (whole + kChunk - 1) / kChunk;
 
   u64 k[def::kStripes];
@@ -163,8 +161,14 @@ bool DeviceSums::can_sum(const PageLayout& layout) {
   return true;
 }
 
-DeviceSums::DeviceSums(const SegmentDesc* rows, int segments, std::size_t page_bytes)
-    : rows_(rows), segments_(segments), page_bytes_(page_bytes) {}
+DeviceSums::DeviceSums(const SegmentDesc* rows, int segments, const PageLayout& layout)
+    : rows_(rows), segments_(segments), page_bytes_(static_cast<std::size_t>(layout.page_bytes())) {
+  // Every segment but the last is whole blocks (can_sum): the page's whole blocks are the same
+  // however the table merged its segments.
+  for (const Segment& s : layout.segments()) {
+    whole_blocks_ += s.block_bytes / static_cast<std::int64_t>(def::kBlock);
+  }
+}
 
 DeviceSums::~DeviceSums() {
   // Work queued on a stream still runs after cudaStreamDestroy returns; the copier's owner
@@ -186,21 +190,19 @@ cudaStream_t DeviceSums::side(cudaStream_t s) {
   return sides_[std::hash<cudaStream_t>{}(s) % sides_.size()].second;
 }
 
-cudaEvent_t DeviceSums::fork(std::span<const PageMove> moves, cudaStream_t s) {
-  const bool asked = std::any_of(moves.begin(), moves.end(),
-                                 [](const PageMove& m) { return m.sum_at_fence != nullptr; });
-  if (!asked) return nullptr;
-  cudaStream_t ours = side(s);
-  cudaEvent_t queued = events_.take();
-  HICACHE_CUDA_CHECK(cudaEventRecord(queued, s));
-  // A wait takes the event as last recorded: it may go back to the pool at once.
-  const cudaError_t err = cudaStreamWaitEvent(ours, queued, 0);
-  events_.give(queued);
-  if (err != cudaSuccess) throw_cuda_error(err, "cudaStreamWaitEvent", __FILE__, __LINE__);
+namespace {
+bool asks_sums(std::span<const PageMove> moves) {
+  return std::any_of(moves.begin(), moves.end(),
+                     [](const PageMove& m) { return m.sum_at_fence != nullptr; });
+}
+}  // namespace
+
+void DeviceSums::launch(std::span<const PageMove> moves, cudaStream_t on) {
   SumBatch batch;
   batch.count = 0;
-  auto launch = [&] {
-    page_sum_kernel<<<batch.count, kThreads, 0, ours>>>(rows_, segments_, page_bytes_, batch);
+  auto flush = [&] {
+    page_sum_kernel<<<batch.count, kThreads, 0, on>>>(rows_, segments_, page_bytes_, whole_blocks_,
+                                                      batch);
     HICACHE_CUDA_CHECK(cudaGetLastError());
     batch.count = 0;
   };
@@ -208,15 +210,31 @@ cudaEvent_t DeviceSums::fork(std::span<const PageMove> moves, cudaStream_t s) {
     if (m.sum_at_fence == nullptr) continue;
     batch.blocks[batch.count] = m.block;
     batch.out[batch.count] = m.sum_at_fence;
-    if (++batch.count == kMaxPagesPerLaunch) launch();
+    if (++batch.count == kMaxPagesPerLaunch) flush();
   }
-  if (batch.count > 0) launch();
+  if (batch.count > 0) flush();
+}
+
+cudaEvent_t DeviceSums::fork(std::span<const PageMove> moves, cudaStream_t s) {
+  if (!asks_sums(moves)) return nullptr;
+  cudaStream_t ours = side(s);
+  cudaEvent_t queued = events_.take();
+  HICACHE_CUDA_CHECK(cudaEventRecord(queued, s));
+  // A wait takes the event as last recorded: it may go back to the pool at once.
+  const cudaError_t err = cudaStreamWaitEvent(ours, queued, 0);
+  events_.give(queued);
+  if (err != cudaSuccess) throw_cuda_error(err, "cudaStreamWaitEvent", __FILE__, __LINE__);
+  launch(moves, ours);
   cudaEvent_t summed = events_.take();
   if (const cudaError_t e = cudaEventRecord(summed, ours); e != cudaSuccess) {
     events_.give(summed);
     throw_cuda_error(e, "cudaEventRecord", __FILE__, __LINE__);
   }
   return summed;
+}
+
+void DeviceSums::after(std::span<const PageMove> moves, cudaStream_t s) {
+  if (asks_sums(moves)) launch(moves, s);
 }
 
 void DeviceSums::join(cudaEvent_t summed, cudaStream_t s) {

@@ -354,11 +354,14 @@ TEST(CudaCopier, StagedStoresReadTheBlocksAfterTheEnginesEarlierWork) {
   cudaStreamDestroy(s);
 }
 
-TEST(CudaCopier, StoresSumTheirPagesOnTheDeviceAsTheCpuDoes) {
+TEST(CudaCopier, StoresAndLoadsSumTheirPagesOnTheDeviceAsTheCpuDoes) {
   // A store asked for its pages' checksums (PageMove::sum_at_fence, as a cache with a tier asks)
   // has the device write them by its fence, each equal to the CPU's page_checksum of the bytes
   // stored, on every path, after the engine's earlier work on the stream (a kernel still running
-  // when the store is enqueued, then a write of page 0). Layouts the device cannot sum say so.
+  // when the store is enqueued, then a write of page 0). A load asked for them (a cache checking
+  // pages it fetched from a tier) has them written of the bytes as they landed: into blocks
+  // cleared first, behind a running kernel and a write of block 0, so sums taken before the copy
+  // landed would be of zeros or of that write. Layouts the device cannot sum say so.
   if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
   struct Case {
     const char* what;
@@ -421,6 +424,26 @@ TEST(CudaCopier, StoresSumTheirPagesOnTheDeviceAsTheCpuDoes) {
     const auto written = pool.page(0);  // the store read it after the engine's write
     EXPECT_TRUE(
         std::all_of(written.begin(), written.end(), [](std::uint8_t b) { return b == 0x3C; }));
+    // Loads: the same pages back from their host slots, into blocks cleared first.
+    auto* loaded = static_cast<std::uint64_t*>(memory->allocate(sum_bytes));
+    std::fill(loaded, loaded + k.pages, 0);
+    for (std::int64_t i = 0; i < k.pages; ++i) {
+      pool.clear(i);
+      out[static_cast<std::size_t>(i)].sum_at_fence = loaded + i;
+    }
+    spin<<<1, 1, 0, s>>>(kSpinCycles / 8);
+    CK(cudaGetLastError());
+    pool.set_async(0, 0x5A, s);
+    copier->copy_pages(hicache::Direction::kToDevice, layout, out, s);
+    copier->record(s)->wait();
+    for (std::int64_t i = 0; i < k.pages; ++i) {
+      const auto* host_page =
+          reinterpret_cast<const std::uint8_t*>(out[static_cast<std::size_t>(i)].host);
+      const auto landed = pool.page(i);
+      ASSERT_TRUE(std::equal(landed.begin(), landed.end(), host_page)) << "page " << i;
+      ASSERT_EQ(loaded[i], sums[i]) << "page " << i;
+    }
+    memory->deallocate(loaded, sum_bytes);
     memory->deallocate(sums, sum_bytes);
   }
   cudaStreamDestroy(s);

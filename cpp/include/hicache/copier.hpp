@@ -27,11 +27,12 @@ struct PageMove {
   /// way: a cache with a tier then need not read the page again to write it there (stores) or to
   /// check a page fetched from there (loads). Others leave it alone.
   std::optional<std::uint64_t>* checksum = nullptr;
-  /// When not null, a copier that sums stores on the device (Copier::sums_on_device: the CUDA
-  /// copier) has the device write the page's checksum here as part of a store (copy_pages to
-  /// the host): it is there once a fence recorded on the stream after copy_pages is done. Memory
-  /// the device can write: the copier's host_allocator()'s. A cache with a tier then need not
-  /// read the page on the CPU before it puts it there.
+  /// When not null, a copier that sums pages on the device (Copier::sums_on_device: the CUDA
+  /// copier) has the device write the page's checksum here as part of copy_pages: a store's of
+  /// the engine's block as it is copied out, a load's of the block once the copy has landed in
+  /// it. It is there once a fence recorded on the stream after copy_pages is done. Memory the
+  /// device can write: the copier's host_allocator()'s. A cache with a tier then need not read
+  /// the page on the CPU before it puts it there, nor to check a page it fetched from there.
   std::uint64_t* sum_at_fence = nullptr;
 };
 
@@ -99,8 +100,8 @@ class Copier {
     return false;
   }
 
-  /// Whether copy_pages to the host writes PageMove::sum_at_fence for pages of `layout` (the
-  /// CUDA copier, once bound to it, for layouts whose segments are whole kilobytes but the last).
+  /// Whether copy_pages writes PageMove::sum_at_fence for pages of `layout`, both ways (the CUDA
+  /// copier, once bound to it, for layouts whose segments are whole kilobytes but the last).
   virtual bool sums_on_device(const PageLayout& layout) const {
     (void)layout;
     return false;
