@@ -577,30 +577,59 @@ std::int64_t HostPrefixCache::try_resume(std::string_view request_id,
   t.request = std::string(request_id);
   if (state) t.states.push_back(state);
   bool failed = false;
-  // Pages fetched from the tier whose bytes are not checked yet are checked by this load: the
-  // CPU copier sums them as it copies them, and is done when it returns; others' loads are
-  // summed here while they cross the link (TierLink's check_on_load).
-  std::vector<std::optional<std::uint64_t>> sums;
-  const bool copier_sums = mover_.copier().sums_pages(mover_.layout());
+  // Pages fetched from the tier whose bytes are not checked yet are checked by this load (see
+  // UncheckedSums): the CPU copier sums them as it copies them, and is done when it returns; the
+  // CUDA copier's device sums them where they landed when the stream had nothing else queued;
+  // otherwise the page threads sum their host slots while the copy crosses the link.
+  std::vector<std::size_t> unchecked;  // indices into matched
+  for (std::size_t i = 0; i < h; ++i) {
+    if (matched[i]->unchecked) unchecked.push_back(i);
+  }
+  std::vector<std::optional<std::uint64_t>> sums(unchecked.empty() ? 0 : h);
+  const UncheckedSums how =
+      unchecked.empty() ? UncheckedSums::kNone : unchecked_sums(stream, layerwise != nullptr);
+  std::vector<PageMove> moves(h);
   try {
-    std::vector<PageMove> moves(h);
     for (std::size_t i = 0; i < h; ++i) {
       moves[i] = {(*blocks)[i], mover_.pool().slot(matched[i]->slot)};
-      if (matched[i]->unchecked) {
-        if (sums.empty()) sums.resize(h);
-        if (copier_sums) moves[i].checksum = &sums[i];
-      }
+    }
+    for (std::size_t i : unchecked) {
+      if (how == UncheckedSums::kCopier) moves[i].checksum = &sums[i];
+      if (how == UncheckedSums::kDevice)
+        moves[i].sum_at_fence = slot_sums_->sums + matched[i]->slot;
     }
     t.fence = enqueue_load(moves, state ? &*state_out : nullptr,
                            state ? state_pool_->slot(state->slot) : nullptr, stream, layerwise);
+    if (how == UncheckedSums::kDevice) t.fence = mover_.copier().record(stream);
   } catch (const Error& e) {
     note_error(e.what());
     failed = true;
   }
-  if (!failed && !sums.empty()) {
-    if (!copier_sums) check_beside_load(matched, sums);
-    h = check_loaded(matched, sums, stream);
+  if (!failed && (how == UncheckedSums::kDevice || how == UncheckedSums::kPageThreads)) {
+    // Unlocked: the matched entries are pinned, so nothing evicts them or reuses their slots,
+    // and other calls need not wait for a pass over every page.
+    lock.unlock();
+    std::string failure;
+    if (how == UncheckedSums::kDevice) {
+      t.fence->wait();
+      try {
+        (void)t.fence->done();  // done now; throws if the device failed
+      } catch (const Error& e) {
+        failure = e.what();
+      }
+    } else {
+      sum_host_slots(unchecked, moves, sums);
+    }
+    lock.lock();
+    if (!failure.empty()) {
+      note_error(failure);
+      failed = true;
+    } else if (how == UncheckedSums::kDevice) {
+      for (std::size_t i : unchecked) sums[i] = slot_sums_->sums[matched[i]->slot];
+      stats_.tier_pages_checked_on_device += static_cast<std::int64_t>(unchecked.size());
+    }
   }
+  if (!failed && !sums.empty()) h = check_loaded(matched, sums, stream);
   t.pages = matched;
   register_transfer(std::move(t), stream, failed);
   if (failed || h == 0) {
@@ -623,18 +652,32 @@ std::int64_t HostPrefixCache::try_resume(std::string_view request_id,
   return served;
 }
 
-void HostPrefixCache::check_beside_load(std::span<Entry* const> matched,
-                                        std::span<std::optional<std::uint64_t>> sums) {
-  std::vector<std::size_t> unchecked;
-  for (std::size_t i = 0; i < matched.size(); ++i) {
-    if (matched[i]->unchecked) unchecked.push_back(i);
+HostPrefixCache::UncheckedSums HostPrefixCache::unchecked_sums(StreamHandle stream,
+                                                               bool layerwise) {
+  const Copier& copier = mover_.copier();
+  if (copier.sums_pages(mover_.layout())) return UncheckedSums::kCopier;
+  if (layerwise || slot_sums_ == nullptr || !copier.sums_on_device(mover_.layout())) {
+    return UncheckedSums::kPageThreads;
   }
+  // Summed on the device, the call waits for the stream to reach the end of the load: only when
+  // the stream has nothing queued before it, so that a hit never waits for the engine's work.
+  try {
+    return mover_.copier().record(stream)->done() ? UncheckedSums::kDevice
+                                                  : UncheckedSums::kPageThreads;
+  } catch (const Error&) {
+    return UncheckedSums::kPageThreads;  // the load's own calls report the device's failure
+  }
+}
+
+void HostPrefixCache::sum_host_slots(std::span<const std::size_t> unchecked,
+                                     std::span<const PageMove> moves,
+                                     std::span<std::optional<std::uint64_t>> sums) const {
   const auto page_bytes = static_cast<std::size_t>(mover_.layout().page_bytes());
   detail::for_each_page(
       unchecked.size(), page_bytes,
       [&](std::size_t k) {
         const std::size_t i = unchecked[k];
-        sums[i] = page_checksum({mover_.pool().slot(matched[i]->slot), page_bytes});
+        sums[i] = page_checksum({moves[i].host, page_bytes});
       },
       detail::kTierBytesPerThread, detail::kTierPageThreads);
 }

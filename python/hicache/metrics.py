@@ -52,6 +52,7 @@ COUNTERS: dict[str, str] = {
     "tier_pages_missing": "pages asked of the tier that it did not have",
     "tier_pages_rejected": "values from the tier that were not exactly the page asked for (never served)",
     "tier_fetches_late": "tier fetches cut short by their deadline",
+    "tier_pages_checked_on_device": "fetched pages whose bytes the GPU checked where their first load landed",
     "tier_errors": "failed tier calls (the cache goes on without them)",
     # BlockCatalog (the index half, e.g. vLLM's manager)
     "lookup_hits": "block lookups that found a loadable block",

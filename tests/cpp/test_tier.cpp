@@ -613,6 +613,7 @@ TEST(Tier, APageThatFailsItsCheckBesideAnAsynchronousLoadLeavesOnlyOnceTheLoadEn
                            }),
               good * kB);
     EXPECT_EQ(b.stats().tier_pages_rejected, damage ? 1 : 0);
+    EXPECT_EQ(b.stats().tier_pages_checked_on_device, 0);  // on the page threads
     EXPECT_EQ(deferred->pending() == 0, damage);
     deferred->complete();
     for (std::int64_t i = 0; i < good; ++i) {

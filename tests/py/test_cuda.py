@@ -305,11 +305,17 @@ def test_a_gpu_cache_restarted_over_a_disk_tier_loads_exactly_what_it_stored(tmp
     assert (s["values_read"], s["values_read_direct"], s["read_failures"]) == (6, 6, 0), s
 
 
+@pytest.mark.parametrize("busy", [False, True], ids=["idle-stream", "busy-stream"])
 @pytest.mark.parametrize("damage", [False, True], ids=["intact", "page-2-damaged"])
-def test_a_gpu_caches_load_checks_fetched_pages_and_ends_before_a_damaged_one(damage: bool) -> None:
-    # The CUDA copier does not sum the pages it copies: a GPU cache's load sums the pages it
-    # fetched from the tier beside its copy. A flipped byte in page 2's value ends the hit
-    # before page 2 (pages 0-1 exact, one page rejected); the control, intact, serves all six.
+def test_a_gpu_caches_load_checks_fetched_pages_and_ends_before_a_damaged_one(
+    damage: bool, busy: bool
+) -> None:
+    # The CUDA copier does not sum pages on the CPU: a GPU cache's load checks the pages it
+    # fetched from the tier either on the device, where they landed (the stream had nothing
+    # queued before the load, so the call waits for the load), or on the page threads beside
+    # the copy (work was queued: the call never waits for the engine's stream). A flipped byte
+    # in page 2's value ends the hit before page 2 (pages 0-1 exact, one page rejected) either
+    # way; the control, intact, serves all six.
     tier = hicache.MemoryTier()
     kv_a = [random_(torch.empty(16, B, 8, 128, dtype=torch.bfloat16, device="cuda")) for _ in range(4)]
     kv_b = [torch.zeros_like(t) for t in kv_a]
@@ -328,7 +334,11 @@ def test_a_gpu_caches_load_checks_fetched_pages_and_ends_before_a_damaged_one(da
     b = hicache.HostPrefixCache(kv_b, block_tokens=B, capacity_pages=16, tier=tier, tier_wait_ms=1000)
     target = list(range(10, 16))
     good = 2 if damage else 6
+    torch.cuda.synchronize()
+    if busy:
+        torch.cuda._sleep(200_000_000)  # the load queues behind ~0.1 s of spinning
     assert b.try_resume("b", prompt, lambda n: target[: n // B]) == good * B
+    assert torch.cuda.current_stream().query() != busy  # it waited for the load only when idle
     torch.cuda.synchronize()
     assert all(
         torch.equal(x, y)
@@ -336,6 +346,7 @@ def test_a_gpu_caches_load_checks_fetched_pages_and_ends_before_a_damaged_one(da
     )
     s = b.stats()
     assert (s.tier_pages_fetched, s.tier_pages_rejected) == (6, 1 if damage else 0), s
+    assert s.tier_pages_checked_on_device == (0 if busy else 6), s
 
 
 @pytest.mark.parametrize("wait_ms", [1000.0, 0.0], ids=["wait", "prefetch"])

@@ -96,6 +96,9 @@ struct CacheStats {
   std::int64_t tier_pages_queued = 0;   ///< offered, not yet written or failed (a gauge)
   std::int64_t tier_pages_fetched = 0;  ///< pages fetched, checked and put in host memory
   std::int64_t tier_hit_tokens = 0;     ///< tokens served that came from the tier
+  /// fetched pages whose bytes the device checked where their first load landed (a GPU cache
+  /// whose stream had nothing queued before the load); the others are checked on the CPU
+  std::int64_t tier_pages_checked_on_device = 0;
   std::int64_t tier_pages_missing = 0;  ///< pages asked for that the tier did not have
   /// values fetched that were not exactly the page asked for (truncated, stale, another
   /// model's, overwritten): misses, never served

@@ -164,11 +164,19 @@ class HostPrefixCache {
   };
 
   std::int64_t retire_completed();
-  // Where the copier does not sum the pages it copies (the CUDA copier): sums[i] for each
-  // matched[i] fetched from the tier whose bytes are not checked yet, taken from its host slot
-  // on the page threads while the load just enqueued runs.
-  void check_beside_load(std::span<Entry* const> matched,
-                         std::span<std::optional<std::uint64_t>> sums);
+  // How a load checks the pages it copies that were fetched from the tier and not checked yet.
+  enum class UncheckedSums {
+    kNone,         // it has none
+    kCopier,       // the copier sums them as it copies them (the CPU copier)
+    kDevice,       // the device sums them where they landed, after the copy (slot_sums_), and
+                   // the call waits for that: only where the stream had nothing queued before
+    kPageThreads,  // the page threads sum their host slots while the copy runs
+  };
+  UncheckedSums unchecked_sums(StreamHandle stream, bool layerwise);
+  // kPageThreads: sums[i] for each matched[i] in `unchecked`, from its host slot (moves[i].host)
+  // on the page threads, while the load just enqueued runs. Called unlocked.
+  void sum_host_slots(std::span<const std::size_t> unchecked, std::span<const PageMove> moves,
+                      std::span<std::optional<std::uint64_t>> sums) const;
   // After a load of pages fetched from the tier whose bytes were not checked yet (sums[i] for
   // each unchecked matched[i]): the pages before the first that failed are checked now; that
   // one is erased, once the load on `stream` has ended, and the hit ends before it. Returns the
