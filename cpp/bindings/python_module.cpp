@@ -969,8 +969,7 @@ NB_MODULE(_core, m) {
       .def_ro("tier_pages_missing", &hicache::CacheStats::tier_pages_missing)
       .def_ro("tier_pages_rejected", &hicache::CacheStats::tier_pages_rejected)
       .def_ro("tier_fetches_late", &hicache::CacheStats::tier_fetches_late)
-      .def_ro("tier_pages_checked_on_device",
-              &hicache::CacheStats::tier_pages_checked_on_device)
+      .def_ro("tier_pages_checked_on_device", &hicache::CacheStats::tier_pages_checked_on_device)
       .def_ro("tier_errors", &hicache::CacheStats::tier_errors)
       .def_ro("tier_last_error", &hicache::CacheStats::tier_last_error)
       .def_ro("errors", &hicache::CacheStats::errors)
