@@ -214,6 +214,58 @@ TEST(CudaCopier, PageMajorRandomBytesRoundTripOnDmaAndOnTheKernel) {
   cudaStreamDestroy(s);
 }
 
+TEST(CudaCopier, DmaPiecesOnTheLegacyStreamKeepItsOrder) {
+  // The batched DMA API refuses the legacy default stream (torch's current stream unless the
+  // engine set one): a DMA-path call on it goes on a stream of the copier's own, ordered after
+  // the legacy stream's earlier work and before its later work. Behind a running kernel: a store
+  // reads block 0 after the engine's write of it and block 1 (its last piece) before the
+  // engine's later write; a load lands in block 0 after the engine's earlier write and in
+  // block 1 (its last piece) before the engine's later write. Unordered either way, block 0 or
+  // block 1 would show the other write.
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  constexpr std::int64_t kPages = 8;
+  DevicePool pool(kPages, {1 << 20});
+  hicache::PageLayout layout(pool.segments(), kGpu);
+  auto copier = bound_copier(layout, {});
+  ASSERT_STREQ(copier->path(), "dma");
+  auto host = host_slots(layout, *copier, kPages);
+  std::vector<hicache::PageMove> moves;
+  for (std::int64_t i = kPages - 1; i >= 0; --i) moves.push_back({i, host.slot(i)});  // block 1
+  std::swap(moves[kPages - 2], moves.back());  // block 0 before block 1, the last piece
+  const auto block1 = pool.page(1);
+  auto all = [](const std::vector<std::uint8_t>& v, std::uint8_t b) {
+    return std::all_of(v.begin(), v.end(), [b](std::uint8_t x) { return x == b; });
+  };
+  cudaStream_t legacy = nullptr;
+  spin<<<1, 1, 0, legacy>>>(kSpinCycles / 8);
+  CK(cudaGetLastError());
+  pool.set_async(0, 0x3C, legacy);
+  copier->copy_pages(hicache::Direction::kToHost, layout, moves, legacy);
+  pool.set_async(1, 0x77, legacy);
+  copier->record(legacy)->wait();
+  const auto* slot0 = reinterpret_cast<const std::uint8_t*>(host.slot(0));
+  const auto* slot1 = reinterpret_cast<const std::uint8_t*>(host.slot(1));
+  EXPECT_TRUE(all({slot0, slot0 + (1 << 20)}, 0x3C)) << "the store read block 0 before its write";
+  EXPECT_TRUE(std::equal(block1.begin(), block1.end(), slot1)) << "the store read block 1 late";
+  for (std::int64_t i = 2; i < kPages; ++i) {
+    const auto page = pool.page(i);
+    EXPECT_TRUE(
+        std::equal(page.begin(), page.end(), reinterpret_cast<const std::uint8_t*>(host.slot(i))))
+        << "page " << i;
+  }
+  // Loads: every slot back into its block, between two writes of the engine's.
+  std::memset(host.slot(0), 0xA5, 1 << 20);
+  std::memset(host.slot(1), 0xB6, 1 << 20);
+  spin<<<1, 1, 0, legacy>>>(kSpinCycles / 8);
+  CK(cudaGetLastError());
+  pool.set_async(0, 0x3C, legacy);
+  copier->copy_pages(hicache::Direction::kToDevice, layout, moves, legacy);
+  pool.set_async(1, 0x77, legacy);
+  copier->record(legacy)->wait();
+  EXPECT_TRUE(all(pool.page(0), 0xA5)) << "the load landed in block 0 before the engine's write";
+  EXPECT_TRUE(all(pool.page(1), 0x77)) << "the load landed in block 1 after the engine's write";
+}
+
 TEST(CudaCopier, ThePathFollowsTheLayout) {
   if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
   auto path_for = [](const DevicePool& pool, hicache::CudaCopierOptions opt = {}) {
