@@ -581,6 +581,73 @@ TEST(Tier, ALargeRunIsCheckedOnSeveralThreadsAndEndsAtTheFirstBadPage) {
   }
 }
 
+TEST(Tier, LoadsFromSeveralThreadsCheckTheSameFetchedPagesWithoutTheCachesLock) {
+  // 16 pages fetched in the background (a prefetch) and published unchecked; then four threads
+  // load the prompt at once into blocks of their own, with a copier that does not sum, so each
+  // load sums the pages it was first to load from their host slots with the cache's lock
+  // released. Page 9 damaged: every thread gets pages 0-8 exactly and never page 9, which is
+  // rejected; intact, the control: every thread all 16. ThreadSanitizer runs this in CI.
+  constexpr std::size_t kPage = std::size_t{64} << 10;
+  constexpr std::int64_t kPages = 16, kThreads = 4;
+  for (const bool damage : {false, true}) {
+    SCOPED_TRACE(damage ? "page 9 damaged" : "intact (the control)");
+    auto tier = std::make_shared<MemoryTier>();
+    CacheConfig c;
+    c.block_tokens = kB;
+    c.capacity_pages = 32;
+    c.admission = hicache::Admission::kAlways;
+    std::vector<std::uint8_t> kv_a(kPages * kPage), kv_b(kThreads * kPages * kPage, 0);
+    std::mt19937 rng(11);
+    for (auto& x : kv_a) x = static_cast<std::uint8_t>(rng());
+    HostPrefixCache a({{kv_a.data(), kPages, kPage, kPage}}, hicache::Device{}, c, nullptr, tier);
+    const auto prompt = tokens(kPages * kB + 1, 3);
+    ASSERT_EQ(a.store("a", prompt, ids(0, kPages)), kPages);
+    a.flush_tier();
+    if (damage) {
+      const auto keys = hicache::chain_keys("", prompt, kB);
+      const auto space = hicache::tier_space("default", a.layout(), kB, 128);
+      ASSERT_TRUE(tier->edit(hicache::tier_value_name(space, keys[9]),
+                             [](auto& v) { v[v.size() / 3] ^= std::byte{0x08}; }));
+    }
+    c.tier.wait_us = 0;  // a prefetch: the pages land unchecked, and nothing loads them yet
+    HostPrefixCache b({{kv_b.data(), kThreads * kPages, kPage, kPage}}, hicache::Device{}, c,
+                      std::make_shared<NonSummingCopier>(), tier);
+    ASSERT_EQ(b.try_resume("prefetch", prompt,
+                           [](std::int64_t) { return std::optional<std::vector<std::int64_t>>(); }),
+              0);
+    b.flush_tier();
+    ASSERT_EQ(b.stats().tier_pages_fetched, kPages);
+    const std::int64_t good = damage ? 9 : kPages;
+    std::vector<std::int64_t> served(kThreads, -1);
+    std::vector<std::thread> threads;
+    for (std::int64_t t = 0; t < kThreads; ++t) {
+      threads.emplace_back([&, t] {
+        served[static_cast<std::size_t>(t)] =
+            b.try_resume("t" + std::to_string(t), prompt, [t](std::int64_t n) {
+              return std::optional<std::vector<std::int64_t>>(ids(t * kPages, n / kB));
+            });
+      });
+    }
+    for (auto& th : threads) th.join();
+    b.poll();
+    for (std::int64_t t = 0; t < kThreads; ++t) {
+      EXPECT_EQ(served[static_cast<std::size_t>(t)], good * kB) << "thread " << t;
+      EXPECT_TRUE(std::equal(kv_a.begin(), kv_a.begin() + good * static_cast<std::int64_t>(kPage),
+                             kv_b.begin() + t * kPages * static_cast<std::int64_t>(kPage)))
+          << "thread " << t;
+    }
+    const auto st = b.stats();
+    EXPECT_EQ(st.tier_pages_rejected > 0, damage);
+    EXPECT_EQ(st.tier_pages_checked_on_device, 0);
+    EXPECT_EQ(st.pages_busy, 0);
+    EXPECT_EQ(b.try_resume("again", prompt,
+                           [](std::int64_t n) {
+                             return std::optional<std::vector<std::int64_t>>(ids(0, n / kB));
+                           }),
+              good * kB);
+  }
+}
+
 TEST(Tier, APageThatFailsItsCheckBesideAnAsynchronousLoadLeavesOnlyOnceTheLoadEnded) {
   // A copier whose copies run later (as a GPU's do; DeferredCopier runs them when a fence is
   // waited for) does not sum pages: try_resume sums the fetched pages beside the load it
