@@ -331,7 +331,10 @@ class HostPrefixCache:
         state into ``state_out``: a tensor, or one per part if ``state_bytes`` is a list) on
         ``stream`` (default: torch's current stream for CUDA
         segments), so work enqueued after it on that stream sees the data. The blocks and
-        ``state_out`` must stay valid until those copies completed.
+        ``state_out`` must stay valid until those copies completed. Pages just fetched from a
+        shared tier are checked by this first load: on a GPU whose ``stream`` had nothing queued,
+        the device checks them where they landed and the call returns once the load is done;
+        with work queued the call does not wait for it (``docs/tier.md``).
 
         Returns:
             tokens served (prefill starts there), 0 on a miss or a cache failure (counted, never
