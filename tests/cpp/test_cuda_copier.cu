@@ -237,12 +237,17 @@ TEST(CudaCopier, DmaPiecesOnTheLegacyStreamKeepItsOrder) {
     return std::all_of(v.begin(), v.end(), [b](std::uint8_t x) { return x == b; });
   };
   cudaStream_t legacy = nullptr;
-  spin<<<1, 1, 0, legacy>>>(kSpinCycles / 8);
-  CK(cudaGetLastError());
-  pool.set_async(0, 0x3C, legacy);
-  copier->copy_pages(hicache::Direction::kToHost, layout, moves, legacy);
-  pool.set_async(1, 0x77, legacy);
-  copier->record(legacy)->wait();
+  // The copy on the legacy stream behind a running kernel, between two writes of the engine's
+  // there: block 0 before it, block 1 after it.
+  auto between_writes = [&](hicache::Direction dir) {
+    spin<<<1, 1, 0, legacy>>>(kSpinCycles / 8);
+    CK(cudaGetLastError());
+    pool.set_async(0, 0x3C, legacy);
+    copier->copy_pages(dir, layout, moves, legacy);
+    pool.set_async(1, 0x77, legacy);
+    copier->record(legacy)->wait();
+  };
+  between_writes(hicache::Direction::kToHost);
   const auto* slot0 = reinterpret_cast<const std::uint8_t*>(host.slot(0));
   const auto* slot1 = reinterpret_cast<const std::uint8_t*>(host.slot(1));
   EXPECT_TRUE(all({slot0, slot0 + (1 << 20)}, 0x3C)) << "the store read block 0 before its write";
@@ -256,12 +261,7 @@ TEST(CudaCopier, DmaPiecesOnTheLegacyStreamKeepItsOrder) {
   // Loads: every slot back into its block, between two writes of the engine's.
   std::memset(host.slot(0), 0xA5, 1 << 20);
   std::memset(host.slot(1), 0xB6, 1 << 20);
-  spin<<<1, 1, 0, legacy>>>(kSpinCycles / 8);
-  CK(cudaGetLastError());
-  pool.set_async(0, 0x3C, legacy);
-  copier->copy_pages(hicache::Direction::kToDevice, layout, moves, legacy);
-  pool.set_async(1, 0x77, legacy);
-  copier->record(legacy)->wait();
+  between_writes(hicache::Direction::kToDevice);
   EXPECT_TRUE(all(pool.page(0), 0xA5)) << "the load landed in block 0 before the engine's write";
   EXPECT_TRUE(all(pool.page(1), 0x77)) << "the load landed in block 1 after the engine's write";
 }
