@@ -460,7 +460,7 @@ class CudaCopier final : public Copier {
                           std::size_t first, std::size_t last) {
     if (!is_legacy(s)) return copy_pages_dma(dir, moves, s, first, last);
     const cudaStream_t ours = detour_stream();
-    order(s, ours);
+    events_->order(s, ours);
     try {
       copy_pages_dma(dir, moves, ours, first, last);
     } catch (...) {
@@ -479,20 +479,9 @@ class CudaCopier final : public Copier {
     }
     return detour_;
   }
-  // Work enqueued on `to` from now on runs after the work enqueued on `from` so far.
-  void order(cudaStream_t from, cudaStream_t to) {
-    cudaEvent_t e = events_->take();
-    const cudaError_t rec = cudaEventRecord(e, from);
-    const cudaError_t err = rec != cudaSuccess ? rec : cudaStreamWaitEvent(to, e, 0);
-    events_->give(e);  // a wait takes the event as last recorded
-    if (err != cudaSuccess) {
-      throw_cuda_error(err, rec != cudaSuccess ? "cudaEventRecord" : "cudaStreamWaitEvent",
-                       __FILE__, __LINE__);
-    }
-  }
   bool order_noexcept(cudaStream_t from, cudaStream_t to) noexcept {
     try {
-      order(from, to);
+      events_->order(from, to);
       return true;
     } catch (...) {
       cudaGetLastError();

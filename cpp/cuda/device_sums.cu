@@ -218,12 +218,7 @@ void DeviceSums::launch(std::span<const PageMove> moves, cudaStream_t on) {
 cudaEvent_t DeviceSums::fork(std::span<const PageMove> moves, cudaStream_t s) {
   if (!asks_sums(moves)) return nullptr;
   cudaStream_t ours = side(s);
-  cudaEvent_t queued = events_.take();
-  HICACHE_CUDA_CHECK(cudaEventRecord(queued, s));
-  // A wait takes the event as last recorded: it may go back to the pool at once.
-  const cudaError_t err = cudaStreamWaitEvent(ours, queued, 0);
-  events_.give(queued);
-  if (err != cudaSuccess) throw_cuda_error(err, "cudaStreamWaitEvent", __FILE__, __LINE__);
+  events_.order(s, ours);
   launch(moves, ours);
   cudaEvent_t summed = events_.take();
   if (const cudaError_t e = cudaEventRecord(summed, ours); e != cudaSuccess) {

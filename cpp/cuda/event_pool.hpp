@@ -37,6 +37,19 @@ class EventPool {
     std::lock_guard<std::mutex> g(mu_);
     free_.push_back(e);
   }
+  /// Work enqueued on `to` from now on runs after the work enqueued on `from` so far: an event
+  /// recorded on `from` that `to` waits for, given back at once (a wait takes the event as last
+  /// recorded). @throws hicache::Error if a CUDA call fails.
+  void order(cudaStream_t from, cudaStream_t to) {
+    cudaEvent_t e = take();
+    const cudaError_t rec = cudaEventRecord(e, from);
+    const cudaError_t err = rec != cudaSuccess ? rec : cudaStreamWaitEvent(to, e, 0);
+    give(e);
+    if (err != cudaSuccess) {
+      throw_cuda_error(err, rec != cudaSuccess ? "cudaEventRecord" : "cudaStreamWaitEvent",
+                       __FILE__, __LINE__);
+    }
+  }
 
  private:
   cudaEvent_t reuse() {
