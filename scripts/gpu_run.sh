@@ -33,8 +33,8 @@
 #   store-sums  bench/research/store_sums.py: a GPU cache's store with the tier's page sums on the
 #               device against the same store without them, one page to 1024 (what the sums cost
 #               the store they run beside)
-#   default-stream  bench/research/default_stream.py: a GPU cache's host hit on torch's default
-#               (legacy) stream against one on a stream of its own, beside a contiguous copy
+#   default-stream  bench/research/default_stream.py: a GPU cache's host hit and store on torch's
+#               default (legacy) stream against a stream of its own, beside a contiguous copy
 #   call-profile  bench/research/call_profile.py: the CUDA calls a store and a load of ~1000
 #               small-block pages make, and how long the calls take to return
 #   disk        bench/disk_tier.py on the device machine's local disk (write-back, read, one-page
