@@ -37,11 +37,11 @@ for n in (64, 256):
     torch.cuda.synchronize()
     c.poll()
     for name, st in (("default", None), ("own", torch.cuda.Stream()), ("default", None)):
+        kw = {} if st is None else {"stream": st}
         hits = []
         for i in range(15):
             torch.cuda.synchronize()
             t = time.perf_counter()
-            kw = {} if st is None else {"stream": st}
             assert c.try_resume(f"r{i}", prompt, lambda k: list(range(k // B)), **kw) == n * B
             torch.cuda.synchronize()
             hits.append(time.perf_counter() - t)
@@ -53,7 +53,6 @@ for n in (64, 256):
             fresh = prompt + stored * 10_000_000
             torch.cuda.synchronize()
             t = time.perf_counter()
-            kw = {} if st is None else {"stream": st}
             assert w.store(f"w{stored}", fresh, list(range(n)), **kw) == n
             torch.cuda.synchronize()
             stores.append(time.perf_counter() - t)

@@ -30,12 +30,12 @@ namespace hicache {
 namespace cuda {
 namespace {
 
-// The automatic choice (measured on an H200, BENCHMARKS.md: "Which path a layout takes"). Chunks
-// of 1 MiB and more: the DMA engines, 0.98-0.99 of one contiguous copy. Pages of 256 KiB and more
-// in one or two chunks of 128 KiB and more: the DMA engines too, a piece or two a page (1024 pages
-// through the one-call API, against the path chosen before: stores 0.91-0.97 -> 0.93-0.99, loads
-// 0.85-0.96 -> 0.91-0.98, both at once 0.58-0.84 -> 0.58-0.88; the copy half alone both at once
-// 0.66-0.91 -> 0.84-0.97); they also keep their rate beside compute, where the kernel slowed a
+// The automatic choice (measured on an H200, docs/performance.md: "Which path a layout takes").
+// Chunks of 1 MiB and more: the DMA engines, 0.98-0.99 of one contiguous copy. Pages of 256 KiB and
+// more in one or two chunks of 128 KiB and more: the DMA engines too, a piece or two a page (1024
+// pages through the one-call API, against the path chosen before: stores 0.91-0.97 -> 0.93-0.99,
+// loads 0.85-0.96 -> 0.91-0.98, both at once 0.58-0.84 -> 0.58-0.88; the copy half alone both at
+// once 0.66-0.91 -> 0.84-0.97); they also keep their rate beside compute, where the kernel slowed a
 // bf16 matmul by 14 %. Smaller chunks in pages of 512 KiB and more (layer-major pools): staged,
 // 0.96-0.99 alone and 0.85-0.98 both at once; the DMA engines match it alone from 128 KiB chunks
 // but a store and a load issued together reach only 0.75-0.91 (the calling thread submits a piece
@@ -454,7 +454,7 @@ class CudaCopier final : public Copier {
   // at 0.61 of one contiguous copy on an H100, where the DMA engines reach 0.98: so the pieces go
   // on a stream of the copier's own, after an event of the caller's stream, and the caller's
   // stream then waits for an event after them, which keeps its order (a GPU cache's hit of
-  // 64 x 1 MiB on stream 0: 2.05 ms, 1.28 on a stream of the engine's own, BENCHMARKS.md).
+  // 64 x 1 MiB on stream 0: 2.05 ms, 1.28 on a stream of the engine's own, docs/performance.md).
   static bool is_legacy(cudaStream_t s) { return s == nullptr || s == cudaStreamLegacy; }
   void copy_pages_dma_any(Direction dir, std::span<const PageMove> moves, cudaStream_t s,
                           std::size_t first, std::size_t last) {

@@ -6,7 +6,7 @@
 // (tier_record.hpp). The CPU copier sums a page as it copies it; the CUDA copier's copies never
 // pass through the CPU, so the tier thread used to read every stored page back from its host
 // slot and sum it before the first put could start: 1.2-2.0 ms of 16 cores for 64-256 MiB on an
-// H100 host, 10-20 % of a put over Mooncake's TCP transport (BENCHMARKS.md). The device reads
+// H100 host, 10-20 % of a put over Mooncake's TCP transport (docs/performance.md). The device reads
 // the same bytes from the engine's blocks instead, while the store's copy runs: a kernel of a
 // few CTAs on a stream of its own, forked from the store's stream before the copy and joined
 // after it, so a fence recorded after the store covers the sums too.

@@ -241,8 +241,8 @@ void TierLink::write(std::vector<PutPage>& pages) {
   // paid for one more batch: a GPU cache's put of 64 x 1 MiB in rounds of 8 + 56 spent 15.4 ms
   // in the client's calls, against 11.0 ms as one round summed on 16 threads first (1.1 ms); the
   // put of 64 x 1 MiB, 256 x 1 MiB and 32 x 8 MiB went from 0.73 / 0.90 / 0.72 of the raw
-  // client's to 0.93 / 0.92 / 0.95 (BENCHMARKS.md). 256 pages of 1 MiB in rounds of 64 were put
-  // at 0.83-0.89 of the raw client's one put on the 2-core machine.
+  // client's to 0.93 / 0.92 / 0.95 (docs/performance.md). 256 pages of 1 MiB in rounds of 64 were
+  // put at 0.83-0.89 of the raw client's one put on the 2-core machine.
   const std::vector<std::size_t> plan =
       plan_rounds(pages.size(), kRing * round_pages_, Edge::kNone);
   for (std::size_t begin = 0, r = 0; r < plan.size(); begin += plan[r], ++r) {
