@@ -257,8 +257,13 @@ void TierLink::write(std::vector<PutPage>& pages) {
       values.push_back(p.slot);
       round.entries.push_back(p.entry);
     }
+    // Records only where every page came summed (the CPU copier's stores, the device sums):
+    // too little work to wake the page threads for, as for a get's records.
+    const bool summed = std::all_of(pages.begin() + static_cast<std::ptrdiff_t>(begin),
+                                    pages.begin() + static_cast<std::ptrdiff_t>(begin + n),
+                                    [](const PutPage& p) { return p.checksum.has_value(); });
     detail::for_each_page(
-        n, page_bytes_,
+        n, summed ? 0 : page_bytes_,
         [&](std::size_t j) {
           const PutPage& p = pages[begin + j];
           const std::uint64_t sum = p.checksum ? *p.checksum : page_checksum({p.slot, page_bytes_});
