@@ -251,17 +251,16 @@ void TierLink::write(std::vector<PutPage>& pages) {
     std::vector<const std::byte*> values;
     std::vector<std::size_t> sizes(n, value_bytes_);
     Round round{-1, {}};
+    // Records only where every page came summed (the CPU copier's stores, the device sums):
+    // too little work to wake the page threads for, as for a get's records.
+    bool summed = true;
     for (std::size_t j = 0; j < n; ++j) {
       const PutPage& p = pages[begin + j];
       names.push_back(tier_value_name(space_, p.key));
       values.push_back(p.slot);
       round.entries.push_back(p.entry);
+      summed = summed && p.checksum.has_value();
     }
-    // Records only where every page came summed (the CPU copier's stores, the device sums):
-    // too little work to wake the page threads for, as for a get's records.
-    const bool summed = std::all_of(pages.begin() + static_cast<std::ptrdiff_t>(begin),
-                                    pages.begin() + static_cast<std::ptrdiff_t>(begin + n),
-                                    [](const PutPage& p) { return p.checksum.has_value(); });
     detail::for_each_page(
         n, summed ? 0 : page_bytes_,
         [&](std::size_t j) {
