@@ -1,8 +1,11 @@
 #include "blake2b.hpp"
 
+#include <atomic>
 #include <bit>
 #include <cstring>
 #include <stdexcept>
+#include <string>
+#include <vector>
 
 namespace hicache::detail {
 namespace {
@@ -25,9 +28,15 @@ constexpr std::uint8_t kSigma[12][16] = {{0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 
                                          {14, 10, 4, 8, 9, 15, 13, 6, 1, 12, 0, 2, 11, 7, 5, 3}};
 
 inline std::uint64_t load_le64(const std::uint8_t* p) {
-  std::uint64_t v = 0;
-  for (int i = 7; i >= 0; --i) v = (v << 8) | p[i];
-  return v;
+  if constexpr (std::endian::native == std::endian::little) {
+    std::uint64_t v;  // one load (the byte loop below compiled to 250 vector instructions)
+    std::memcpy(&v, p, sizeof v);
+    return v;
+  } else {
+    std::uint64_t v = 0;
+    for (int i = 7; i >= 0; --i) v = (v << 8) | p[i];
+    return v;
+  }
 }
 
 // Four messages' compressions side by side: lane l of every vector belongs to message l. GCC's
@@ -35,47 +44,82 @@ inline std::uint64_t load_le64(const std::uint8_t* p) {
 // onto two SSE2 or NEON registers elsewhere (still four independent chains for the core to
 // overlap).
 using Lanes = std::uint64_t __attribute__((vector_size(32)));
+using LaneBytes = std::uint8_t __attribute__((vector_size(32)));
+
+// How a rotation of four lanes is written. Shifts: two shifts and an or, which every target
+// has. Bytes: the rotations by whole bytes (32, 24, 16) as one byte shuffle within each 64-bit
+// word (vpshufb on AVX2); with AVX-512VL the compiler makes the shifts' rotation (by 63) one
+// vprorq too. A rotation was 3 of every 5 instructions of the AVX2 kernel's rounds.
+enum class Rotate { kShifts, kBytes };
+
+// x rotated right by 8 * K bits, each 64-bit lane alone: byte i of a little-endian word takes
+// byte (i + K) mod 8. By reference, as xor_rotr below. GCC's __builtin_shuffle (its
+// __builtin_shufflevector is GCC 12's and later) and clang's __builtin_shufflevector take the
+// same byte indices.
+template <int K>
+[[gnu::always_inline]] inline void rotr_bytes(Lanes& out, const Lanes& x) {
+  LaneBytes b;
+  std::memcpy(&b, &x, sizeof b);
+#define HICACHE_ROTR_WORD(w)                                                                  \
+  8 * (w) + (0 + K) % 8, 8 * (w) + (1 + K) % 8, 8 * (w) + (2 + K) % 8, 8 * (w) + (3 + K) % 8, \
+      8 * (w) + (4 + K) % 8, 8 * (w) + (5 + K) % 8, 8 * (w) + (6 + K) % 8, 8 * (w) + (7 + K) % 8
+#if defined(__clang__)
+  const LaneBytes r = __builtin_shufflevector(b, b, HICACHE_ROTR_WORD(0), HICACHE_ROTR_WORD(1),
+                                              HICACHE_ROTR_WORD(2), HICACHE_ROTR_WORD(3));
+#else
+  constexpr LaneBytes order = {HICACHE_ROTR_WORD(0), HICACHE_ROTR_WORD(1), HICACHE_ROTR_WORD(2),
+                               HICACHE_ROTR_WORD(3)};
+  const LaneBytes r = __builtin_shuffle(b, order);
+#endif
+#undef HICACHE_ROTR_WORD
+  std::memcpy(&out, &r, sizeof out);
+}
 
 // The twelve rounds over the working vector v and message m, for one message (W = uint64_t) or
 // four side by side (W = Lanes: the same shifts act lane by lane). Unrolled, every message word's
 // index is a constant: ~25 % faster a block than the loop.
 // d = (d ^ a) rotated right by n. By reference: a vector passed by value would change the ABI
 // between builds with and without AVX (-Wpsabi).
-template <class W>
-[[gnu::always_inline]] inline void xor_rotr(W& d, const W& a, int n) {
+template <Rotate R, int N, class W>
+[[gnu::always_inline]] inline void xor_rotr(W& d, const W& a) {
   const W x = d ^ a;
-  d = (x >> n) | (x << (64 - n));
+  if constexpr (R == Rotate::kBytes && N % 8 == 0) {
+    rotr_bytes<N / 8>(d, x);
+  } else {
+    d = (x >> N) | (x << (64 - N));
+  }
 }
 
-template <class W>
+template <Rotate R, class W>
 [[gnu::always_inline]] inline void mix(W* v, int a, int b, int c, int d, const W& x, const W& y) {
   v[a] = v[a] + v[b] + x;
-  xor_rotr(v[d], v[a], 32);
+  xor_rotr<R, 32>(v[d], v[a]);
   v[c] = v[c] + v[d];
-  xor_rotr(v[b], v[c], 24);
+  xor_rotr<R, 24>(v[b], v[c]);
   v[a] = v[a] + v[b] + y;
-  xor_rotr(v[d], v[a], 16);
+  xor_rotr<R, 16>(v[d], v[a]);
   v[c] = v[c] + v[d];
-  xor_rotr(v[b], v[c], 63);
+  xor_rotr<R, 63>(v[b], v[c]);
 }
 
-template <class W>
+template <Rotate R = Rotate::kShifts, class W>
 [[gnu::always_inline]] inline void rounds(W* v, const W* m) {
 #pragma GCC unroll 12
   for (const auto& s : kSigma) {
-    mix(v, 0, 4, 8, 12, m[s[0]], m[s[1]]);
-    mix(v, 1, 5, 9, 13, m[s[2]], m[s[3]]);
-    mix(v, 2, 6, 10, 14, m[s[4]], m[s[5]]);
-    mix(v, 3, 7, 11, 15, m[s[6]], m[s[7]]);
-    mix(v, 0, 5, 10, 15, m[s[8]], m[s[9]]);
-    mix(v, 1, 6, 11, 12, m[s[10]], m[s[11]]);
-    mix(v, 2, 7, 8, 13, m[s[12]], m[s[13]]);
-    mix(v, 3, 4, 9, 14, m[s[14]], m[s[15]]);
+    mix<R>(v, 0, 4, 8, 12, m[s[0]], m[s[1]]);
+    mix<R>(v, 1, 5, 9, 13, m[s[2]], m[s[3]]);
+    mix<R>(v, 2, 6, 10, 14, m[s[4]], m[s[5]]);
+    mix<R>(v, 3, 7, 11, 15, m[s[6]], m[s[7]]);
+    mix<R>(v, 0, 5, 10, 15, m[s[8]], m[s[9]]);
+    mix<R>(v, 1, 6, 11, 12, m[s[10]], m[s[11]]);
+    mix<R>(v, 2, 7, 8, 13, m[s[12]], m[s[13]]);
+    mix<R>(v, 3, 4, 9, 14, m[s[14]], m[s[15]]);
   }
 }
 
 // One block of each message (little-endian hosts only: the words are loaded as they lie), with
 // the byte count t after it (the same for all four) and not the last block.
+template <Rotate R>
 [[gnu::always_inline]] inline void compress4_body(std::uint64_t (&h)[8][4],
                                                   const std::uint8_t* const block[4],
                                                   std::uint64_t t0, std::uint64_t t1) {
@@ -94,7 +138,7 @@ template <class W>
   }
   v[12] ^= Lanes{t0, t0, t0, t0};
   v[13] ^= Lanes{t1, t1, t1, t1};
-  rounds(v, m);
+  rounds<R>(v, m);
   for (int i = 0; i < 8; ++i) {
     Lanes hi;
     std::memcpy(&hi, h[i], sizeof hi);
@@ -103,34 +147,86 @@ template <class W>
   }
 }
 
-// The same code built twice, for AVX2 and for the baseline, chosen at run time (not by an ifunc
-// resolver: ThreadSanitizer builds crash in one, as it runs before the sanitizer is set up).
+using Compress4 = void (*)(std::uint64_t (&)[8][4], const std::uint8_t* const[4], std::uint64_t,
+                           std::uint64_t);
+
+// The same code built for each vector width, chosen at run time (not by an ifunc resolver:
+// ThreadSanitizer builds crash in one, as it runs before the sanitizer is set up).
 #if defined(__x86_64__)
 [[gnu::target("avx2")]] void compress4_avx2(std::uint64_t (&h)[8][4],
                                             const std::uint8_t* const block[4], std::uint64_t t0,
                                             std::uint64_t t1) {
-  compress4_body(h, block, t0, t1);
+  compress4_body<Rotate::kBytes>(h, block, t0, t1);
+}
+[[gnu::target("avx2,avx512f,avx512vl")]] void compress4_avx512(std::uint64_t (&h)[8][4],
+                                                               const std::uint8_t* const block[4],
+                                                               std::uint64_t t0, std::uint64_t t1) {
+  compress4_body<Rotate::kBytes>(h, block, t0, t1);
 }
 #endif
 
+// SSE2 has no byte shuffle (its two registers a vector take the shifts); NEON's tbl would do the
+// bytes, but no ARM machine measured it.
 void compress4_baseline(std::uint64_t (&h)[8][4], const std::uint8_t* const block[4],
                         std::uint64_t t0, std::uint64_t t1) {
-  compress4_body(h, block, t0, t1);
+  compress4_body<Rotate::kShifts>(h, block, t0, t1);
 }
+
+struct Kernel4 {
+  const char* name;
+  Compress4 fn;
+  bool available;
+};
+
+std::vector<Kernel4> kernels4() {
+  std::vector<Kernel4> k{{"baseline", compress4_baseline, true}};
+#if defined(__x86_64__)
+  __builtin_cpu_init();
+  k.push_back({"avx2", compress4_avx2, __builtin_cpu_supports("avx2") != 0});
+  k.push_back({"avx512", compress4_avx512,
+               __builtin_cpu_supports("avx2") != 0 && __builtin_cpu_supports("avx512f") != 0 &&
+                   __builtin_cpu_supports("avx512vl") != 0});
+#endif
+  return k;
+}
+
+// The widest kernel this CPU runs, unless a test chose one (use_four_lane_kernel).
+std::atomic<Compress4> chosen4 = [] {
+  Compress4 best = compress4_baseline;
+  for (const Kernel4& k : kernels4()) {
+    if (k.available) best = k.fn;
+  }
+  return best;
+}();
 
 void compress4(std::uint64_t (&h)[8][4], const std::uint8_t* const block[4], std::uint64_t t0,
                std::uint64_t t1) {
-#if defined(__x86_64__)
-  static const bool avx2 = [] {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") != 0;
-  }();
-  if (avx2) return compress4_avx2(h, block, t0, t1);
-#endif
-  compress4_baseline(h, block, t0, t1);
+  chosen4.load(std::memory_order_relaxed)(h, block, t0, t1);
 }
 
 }  // namespace
+
+std::vector<std::string> four_lane_kernels() {
+  std::vector<std::string> names;
+  for (const Kernel4& k : kernels4()) {
+    if (k.available) names.emplace_back(k.name);
+  }
+  return names;
+}
+
+std::string use_four_lane_kernel(const std::string& name) {
+  std::string was;
+  for (const Kernel4& k : kernels4()) {
+    if (k.fn == chosen4.load()) was = k.name;
+  }
+  for (const Kernel4& k : kernels4()) {
+    if (k.name == name && k.available) {
+      chosen4.store(k.fn);
+      return was;
+    }
+  }
+  throw std::invalid_argument("blake2b: no four-lane kernel '" + name + "' on this CPU");
+}
 
 void Blake2b::update4(Blake2b* const state[4], const std::uint8_t* const data[4], std::size_t n) {
   const std::size_t whole = n / sizeof buf_;

@@ -95,31 +95,44 @@ TEST(Blake2b, AStateMadeOfWholeBlocksFinishesAsOneUpdateWould) {
 }
 
 // update4 compresses four messages side by side; every lane must end as that message hashed
-// alone would, whatever the length (whole blocks, a tail, nothing) and the suffix after it.
+// alone would, whatever the length (whole blocks, a tail, nothing) and the suffix after it, with
+// every four-lane kernel this CPU runs (the widest is the one in use, the others are its
+// fallbacks on other CPUs).
 TEST(Blake2b, FourMessagesAtOnceEndAsEachHashedAlone) {
   using hicache::detail::Blake2b;
+  const std::vector<std::string> kernels = hicache::detail::four_lane_kernels();
+  ASSERT_FALSE(kernels.empty());
+  EXPECT_EQ(kernels.front(), "baseline");
+  const std::string in_use = hicache::detail::use_four_lane_kernel(kernels.back());
+  EXPECT_EQ(in_use, kernels.back());  // the widest one was chosen
+  EXPECT_THROW(hicache::detail::use_four_lane_kernel("no-such-kernel"), std::invalid_argument);
   std::vector<std::uint8_t> data(4 * 1100);
   for (std::size_t i = 0; i < data.size(); ++i) data[i] = static_cast<std::uint8_t>(i * 131 + 7);
-  for (std::size_t n : {0u, 1u, 127u, 128u, 129u, 256u, 300u, 512u, 1100u}) {
-    std::vector<Blake2b> four(4, Blake2b(16)), alone(4, Blake2b(16));
-    Blake2b* const states[4] = {&four[0], &four[1], &four[2], &four[3]};
-    const std::uint8_t* msgs[4];
-    for (int l = 0; l < 4; ++l) msgs[l] = data.data() + 1100 * static_cast<std::size_t>(l);
-    Blake2b::update4(states, msgs, n);
-    for (int l = 0; l < 4; ++l) {
-      alone[static_cast<std::size_t>(l)].update(msgs[l], n);
-      alone[static_cast<std::size_t>(l)].more_follows();
-    }
-    for (std::size_t l = 0; l < 4; ++l) {
-      const std::uint8_t suffix[16] = {static_cast<std::uint8_t>(l), 1, 2, 3};
-      std::uint8_t got[16], expect[16];
-      four[l].update(suffix, sizeof suffix);
-      four[l].finish(got);
-      alone[l].update(suffix, sizeof suffix);
-      alone[l].finish(expect);
-      EXPECT_EQ(hex(got, 16), hex(expect, 16)) << "lane " << l << ", " << n << " bytes";
+  for (const std::string& kernel : kernels) {
+    SCOPED_TRACE("kernel " + kernel);
+    hicache::detail::use_four_lane_kernel(kernel);
+    for (std::size_t n : {0u, 1u, 127u, 128u, 129u, 256u, 300u, 512u, 1100u}) {
+      std::vector<Blake2b> four(4, Blake2b(16)), alone(4, Blake2b(16));
+      Blake2b* const states[4] = {&four[0], &four[1], &four[2], &four[3]};
+      const std::uint8_t* msgs[4];
+      for (int l = 0; l < 4; ++l) msgs[l] = data.data() + 1100 * static_cast<std::size_t>(l);
+      Blake2b::update4(states, msgs, n);
+      for (int l = 0; l < 4; ++l) {
+        alone[static_cast<std::size_t>(l)].update(msgs[l], n);
+        alone[static_cast<std::size_t>(l)].more_follows();
+      }
+      for (std::size_t l = 0; l < 4; ++l) {
+        const std::uint8_t suffix[16] = {static_cast<std::uint8_t>(l), 1, 2, 3};
+        std::uint8_t got[16], expect[16];
+        four[l].update(suffix, sizeof suffix);
+        four[l].finish(got);
+        alone[l].update(suffix, sizeof suffix);
+        alone[l].finish(expect);
+        EXPECT_EQ(hex(got, 16), hex(expect, 16)) << "lane " << l << ", " << n << " bytes";
+      }
     }
   }
+  hicache::detail::use_four_lane_kernel(in_use);
 }
 
 // A lane that already holds part of a block cannot share the vector: update4 hashes the four one
