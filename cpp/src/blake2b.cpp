@@ -190,18 +190,22 @@ std::vector<Kernel4> kernels4() {
   return k;
 }
 
-// The widest kernel this CPU runs, unless a test chose one (use_four_lane_kernel).
-std::atomic<Compress4> chosen4 = [] {
-  Compress4 best = compress4_baseline;
-  for (const Kernel4& k : kernels4()) {
-    if (k.available) best = k.fn;
-  }
-  return best;
-}();
+// The widest kernel this CPU runs, unless a test chose one (use_four_lane_kernel). A function's
+// static, so that a key hashed while another file's statics are initialized finds it set.
+std::atomic<Compress4>& chosen4() {
+  static std::atomic<Compress4> chosen = [] {
+    Compress4 best = compress4_baseline;
+    for (const Kernel4& k : kernels4()) {
+      if (k.available) best = k.fn;
+    }
+    return best;
+  }();
+  return chosen;
+}
 
 void compress4(std::uint64_t (&h)[8][4], const std::uint8_t* const block[4], std::uint64_t t0,
                std::uint64_t t1) {
-  chosen4.load(std::memory_order_relaxed)(h, block, t0, t1);
+  chosen4().load(std::memory_order_relaxed)(h, block, t0, t1);
 }
 
 }  // namespace
@@ -217,11 +221,11 @@ std::vector<std::string> four_lane_kernels() {
 std::string use_four_lane_kernel(const std::string& name) {
   std::string was;
   for (const Kernel4& k : kernels4()) {
-    if (k.fn == chosen4.load()) was = k.name;
+    if (k.fn == chosen4().load()) was = k.name;
   }
   for (const Kernel4& k : kernels4()) {
     if (k.name == name && k.available) {
-      chosen4.store(k.fn);
+      chosen4().store(k.fn);
       return was;
     }
   }
