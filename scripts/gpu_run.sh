@@ -12,7 +12,8 @@
 #   sanitize    memcheck, racecheck, synccheck, initcheck over the GPU GoogleTests; memcheck over
 #               the GPU pytest file
 #   bench       bench/layouts.py (every layout through the Python API, default options), its
-#               --cpu-cost mode, bench/research/small_pages.py (where a small-page call's time goes)
+#               --cpu-cost mode, bench/research/small_pages.py (where a small-page call's time goes),
+#               bench/call_cpu.py at 16- and 128-token pages (the null copier's calls)
 #   matmul      bench/transfer_matmul.py (copies beside a bf16 matmul, every path, three rounds),
 #               then the staged path's staging size and CTA count beside it (MATMUL_STAGED=0: not)
 #   paths       bench/layouts.py with every copy path forced (each path's limit per layout)
@@ -152,6 +153,8 @@ bench)
   cp "$LOGS/bench-cpu-cost.log" "$OUT/bench_cpu_cost.md"
   run bench-small-pages python3 bench/research/small_pages.py
   cp "$LOGS/bench-small-pages.log" "$OUT/bench_small_pages.md"
+  # The null copier's calls on this host's CPU (BENCHMARKS.md, "CPU time of a call"): in logs.tgz.
+  for b in 16 128; do run bench-call-cpu-$b python3 bench/call_cpu.py --block-tokens $b --reps 31; done
   ;;
 matmul)
   # Every layout on every path, three rounds each (~7 minutes: a call of its own); then the
