@@ -219,11 +219,12 @@ std::vector<std::string> four_lane_kernels() {
 }
 
 std::string use_four_lane_kernel(const std::string& name) {
+  const std::vector<Kernel4> kernels = kernels4();
   std::string was;
-  for (const Kernel4& k : kernels4()) {
+  for (const Kernel4& k : kernels) {
     if (k.fn == chosen4().load()) was = k.name;
   }
-  for (const Kernel4& k : kernels4()) {
+  for (const Kernel4& k : kernels) {
     if (k.name == name && k.available) {
       chosen4().store(k.fn);
       return was;
