@@ -14,6 +14,9 @@ hashing, no index, only the copy path (the one ``--paths`` forced, if it did), i
 own limit at the point.
 
 Engine blocks and host slots are both shuffled, as in a cache that has run for a while.
+``--in-order`` gives the other end: a fresh pool whose slots are taken in order, each call's
+engine blocks consecutive, so pages whose slots and blocks both follow each other can go as one
+DMA piece.
 
     python bench/layouts.py                        # the grid, default options
     python bench/layouts.py --paths dma,staged,kernel --pages 1024
@@ -53,6 +56,7 @@ KIB = 1024
 CHUNKS_KIB = [16, 32, 64, 128, 144, 256, 512, 1024, 4096, 16384]
 SEGMENTS = [1, 2, 32, 61, 64, 96, 128]
 MAX_PAGE = 64 << 20
+IN_ORDER_REPS = 5  # --in-order: the pool holds every prompt a point stores, at most this many reps
 DEVICE = "cuda"  # --device cpu runs the same code on the CPU copier (to check the script)
 
 
@@ -99,8 +103,11 @@ class Point:
         capacity: int = 4,
         staging: int | None = None,
         tokens: int = B,
+        in_order: bool = False,
     ) -> None:
         self.chunk, self.nseg, self.pages, self.tokens = chunk, nseg, pages, tokens
+        if in_order:  # room for every prompt measure() stores: nothing is evicted
+            capacity = 3 * IN_ORDER_REPS + 3
         self.page_bytes = chunk * nseg
         blocks = 2 * pages + 1
         self.segs = [torch.empty(blocks, chunk, dtype=torch.uint8, device=DEVICE) for _ in range(nseg)]
@@ -125,7 +132,8 @@ class Point:
         self.pin_s = time.perf_counter() - t0
         rng = random.Random(chunk * 131 + nseg)
         order = list(range(blocks))
-        rng.shuffle(order)
+        if not in_order:
+            rng.shuffle(order)
         self.sources, self.targets = order[:pages], order[pages : 2 * pages]
         self.s1, self.s2 = stream(), stream()
         self.n = 0
@@ -135,13 +143,16 @@ class Point:
         # one-page prompts, touch them in a random order (a store of a cached page copies
         # nothing), so the measured prompts evict them, and take their slots, in that order.
         singles = [torch.tensor([i] * tokens + [0], dtype=torch.int32) for i in range(capacity * pages)]
+        if in_order:  # a fresh pool: slots are taken in order
+            singles = []
         for i, one in enumerate(singles):
             self.cache.store("fill", one, [self.sources[i % pages]], stream=self.s1)
         self.sync()
         rng.shuffle(singles)
         for one in singles:
             self.cache.store("fill", one, [0])
-        self.done.append("fill")
+        if singles:
+            self.done.append("fill")
         self.cached = self.prompt()
         self.store(self.cached, self.s1)
         self.sync()
@@ -285,10 +296,13 @@ def pages_for(page_bytes: int, wanted: int, max_batch: int) -> int:
 
 
 def run_grid(args: argparse.Namespace) -> None:
+    if args.in_order and args.reps > IN_ORDER_REPS:
+        sys.exit(f"--in-order: --reps {IN_ORDER_REPS} at most (the pool holds every prompt a point stores)")
     points = grid(args.chunks, args.segments)
     print(
         f"# {len(points)} layouts x pages {args.pages} x paths {args.paths}; batches of at most "
         f"{args.max_batch >> 20} MiB; best of {args.reps}; "
+        f"{'slots and blocks in order' if args.in_order else 'slots and blocks shuffled'}; "
         f"{torch.cuda.get_device_name() if DEVICE == 'cuda' else 'cpu'}",
         flush=True,
     )
@@ -305,7 +319,7 @@ def run_grid(args: argparse.Namespace) -> None:
             for path, mib in [(pa, m) for pa in args.paths for m in (args.staging_mib or [None])]:
                 try:
                     staging = None if mib is None else mib << 20
-                    p = Point(chunk, nseg, pages, path, capacity=2, staging=staging)
+                    p = Point(chunk, nseg, pages, path, capacity=2, staging=staging, in_order=args.in_order)
                     r = p.measure(args.reps, both=not args.no_both)
                     if args.mover:
                         p.measure_mover(args.reps, r)
@@ -529,6 +543,11 @@ def main() -> None:
     ap.add_argument("--engines", action="store_true", help="engines' pools (16-64-token blocks), no grid")
     ap.add_argument("--blocks", type=ints, default=[], help="with --engines: these block sizes only (tokens)")
     ap.add_argument("--mover", action="store_true", help="also time SlotMover's copy of the same pages")
+    ap.add_argument(
+        "--in-order",
+        action="store_true",
+        help="a fresh pool and consecutive blocks instead of shuffled ones (the grid only)",
+    )
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     ap.add_argument("--report", default="", help="print BENCHMARKS.md's table from a --json file, and stop")
     ap.add_argument("--plot", default="", help="with --report: also draw the grid into this PNG (matplotlib)")

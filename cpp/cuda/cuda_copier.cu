@@ -19,6 +19,7 @@
 #include "cuda_check.cuh"
 #include "device_sums.hpp"
 #include "dma_batch.hpp"
+#include "dma_pieces.hpp"
 #include "event_pool.hpp"
 #include "hicache/copy_rate.hpp"
 #include "hicache/cuda_copier.hpp"
@@ -425,25 +426,26 @@ class CudaCopier final : public Copier {
   void copy_pages_dma(Direction dir, std::span<const PageMove> moves, cudaStream_t s,
                       std::size_t first, std::size_t last) {
     const auto& segs = layout_->segments();
-    std::vector<void*> dst, src;
-    std::vector<std::size_t> sizes;
-    dst.reserve(kDmaBatch);
-    src.reserve(kDmaBatch);
-    sizes.reserve(kDmaBatch);
+    DmaPieces pieces(kDmaBatch);
     auto submit = [&] {
-      copy_batch(dst.data(), src.data(), sizes.data(), sizes.size(), s);
-      dst.clear();
-      src.clear();
-      sizes.clear();
+      copy_batch(pieces.dst(), pieces.src(), pieces.sizes(), pieces.size(), s);
+      pieces.clear();
     };
+    // One segment: consecutive pages' pieces may continue each other (dma_pieces.hpp). Several:
+    // a host page holds its segments one after another, so one segment's pieces of two pages
+    // never touch.
+    const bool one_segment = last - first == 1;
     for (const PageMove& m : moves) {
       for (std::size_t i = first; i < last; ++i) {
         void* dev = layout_->block_address(i, m.block);
         void* host = m.host + layout_->page_offset(i);
-        src.push_back(dir == Direction::kToHost ? dev : host);
-        dst.push_back(dir == Direction::kToHost ? host : dev);
-        sizes.push_back(static_cast<std::size_t>(segs[i].block_bytes));
-        if (sizes.size() == kDmaBatch) submit();
+        const auto bytes = static_cast<std::size_t>(segs[i].block_bytes);
+        void* to = dir == Direction::kToHost ? host : dev;
+        void* from = dir == Direction::kToHost ? dev : host;
+        if (!pieces.add(to, from, bytes, one_segment)) {  // a full batch
+          submit();
+          pieces.add(to, from, bytes, false);
+        }
       }
     }
     submit();

@@ -214,6 +214,39 @@ TEST(CudaCopier, PageMajorRandomBytesRoundTripOnDmaAndOnTheKernel) {
   cudaStreamDestroy(s);
 }
 
+TEST(CudaCopier, DmaRunsOfAdjacentSlotsAndBlocksCopyAsOnePieceAndRoundTrip) {
+  // A page-major pool's pages whose host slots and engine blocks both follow each other go as
+  // one piece (dma_pieces.hpp): a store of 300 pages in order (a run longer than one DMA batch,
+  // across the host pool's first chunk boundary, where the pool's gap keeps it two pieces), then
+  // a load of them back into other blocks with both sides running backwards. Every byte must
+  // land where a piece a page would put it.
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  constexpr std::int64_t n = 300;
+  DevicePool pool(2 * n, {256 << 10});
+  hicache::PageLayout layout(pool.segments(), kGpu);
+  auto copier = bound_copier(layout, forced(hicache::CopyPath::kDma));
+  ASSERT_STREQ(copier->path(), "dma");
+  auto host = host_slots(layout, *copier, n);  // 64 MiB chunks: 256 slots each
+  cudaStream_t s;
+  CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  std::vector<hicache::PageMove> out, in;
+  for (std::int64_t i = 0; i < n; ++i) out.push_back({i, host.slot(i)});
+  for (std::int64_t i = 0; i < n; ++i) in.push_back({2 * n - 1 - i, host.slot(n - 1 - i)});
+  for (std::int64_t i = n; i < 2 * n; ++i) pool.clear(i);
+  copier->copy_pages(hicache::Direction::kToHost, layout, out, s);
+  copier->record(s)->wait();
+  for (std::int64_t i = 0; i < n; ++i) {
+    const auto page = pool.page(i);
+    ASSERT_TRUE(
+        std::equal(page.begin(), page.end(), reinterpret_cast<const std::uint8_t*>(host.slot(i))))
+        << "host copy of page " << i;
+  }
+  copier->copy_pages(hicache::Direction::kToDevice, layout, in, s);
+  copier->record(s)->wait();
+  for (std::int64_t i = 0; i < n; ++i) ASSERT_EQ(pool.page(n + i), pool.page(i)) << "page " << i;
+  cudaStreamDestroy(s);
+}
+
 TEST(CudaCopier, DmaPiecesOnTheLegacyStreamKeepItsOrder) {
   // The batched DMA API refuses the legacy default stream (torch's current stream unless the
   // engine set one): a DMA-path call on it goes on a stream of the copier's own, ordered after
@@ -230,8 +263,10 @@ TEST(CudaCopier, DmaPiecesOnTheLegacyStreamKeepItsOrder) {
   ASSERT_STREQ(copier->path(), "dma");
   auto host = host_slots(layout, *copier, kPages);
   std::vector<hicache::PageMove> moves;
-  for (std::int64_t i = kPages - 1; i >= 0; --i) moves.push_back({i, host.slot(i)});  // block 1
-  std::swap(moves[kPages - 2], moves.back());  // block 0 before block 1, the last piece
+  // Blocks 7..2 (one piece: slots and blocks run backwards together), then 0 and 1 (another:
+  // forwards), so block 1 is in the last piece.
+  for (std::int64_t i = kPages - 1; i >= 0; --i) moves.push_back({i, host.slot(i)});
+  std::swap(moves[kPages - 2], moves.back());
   const auto block1 = pool.page(1);
   auto all = [](const std::vector<std::uint8_t>& v, std::uint8_t b) {
     return std::all_of(v.begin(), v.end(), [b](std::uint8_t x) { return x == b; });
