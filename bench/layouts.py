@@ -14,9 +14,10 @@ hashing, no index, only the copy path (the one ``--paths`` forced, if it did), i
 own limit at the point.
 
 Engine blocks and host slots are both shuffled, as in a cache that has run for a while.
-``--in-order`` gives the other end: a fresh pool whose slots are taken in order, each call's
-engine blocks consecutive, so pages whose slots and blocks both follow each other can go as one
-DMA piece.
+``--in-order`` gives the other end: each call's engine blocks consecutive, and the pool full of
+earlier prompts stored the same way, so a store takes the slots of an old chain (freed leaf
+first) and a load the slots its prompt was stored in: runs of pages whose slots and blocks both
+follow each other, which the DMA path copies as one piece.
 
     python bench/layouts.py                        # the grid, default options
     python bench/layouts.py --paths dma,staged,kernel --pages 1024
@@ -56,7 +57,6 @@ KIB = 1024
 CHUNKS_KIB = [16, 32, 64, 128, 144, 256, 512, 1024, 4096, 16384]
 SEGMENTS = [1, 2, 32, 61, 64, 96, 128]
 MAX_PAGE = 64 << 20
-IN_ORDER_REPS = 5  # --in-order: the pool holds every prompt a point stores, at most this many reps
 DEVICE = "cuda"  # --device cpu runs the same code on the CPU copier (to check the script)
 
 
@@ -106,8 +106,6 @@ class Point:
         in_order: bool = False,
     ) -> None:
         self.chunk, self.nseg, self.pages, self.tokens = chunk, nseg, pages, tokens
-        if in_order:  # room for every prompt measure() stores: nothing is evicted
-            capacity = 3 * IN_ORDER_REPS + 3
         self.page_bytes = chunk * nseg
         blocks = 2 * pages + 1
         self.segs = [torch.empty(blocks, chunk, dtype=torch.uint8, device=DEVICE) for _ in range(nseg)]
@@ -143,8 +141,11 @@ class Point:
         # one-page prompts, touch them in a random order (a store of a cached page copies
         # nothing), so the measured prompts evict them, and take their slots, in that order.
         singles = [torch.tensor([i] * tokens + [0], dtype=torch.int32) for i in range(capacity * pages)]
-        if in_order:  # a fresh pool: slots are taken in order
+        if in_order:  # instead, prompts of `pages` pages over the same blocks, in order
             singles = []
+            for _ in range(capacity):
+                self.store(self.prompt(), self.s1)
+                self.sync()
         for i, one in enumerate(singles):
             self.cache.store("fill", one, [self.sources[i % pages]], stream=self.s1)
         self.sync()
@@ -296,8 +297,6 @@ def pages_for(page_bytes: int, wanted: int, max_batch: int) -> int:
 
 
 def run_grid(args: argparse.Namespace) -> None:
-    if args.in_order and args.reps > IN_ORDER_REPS:
-        sys.exit(f"--in-order: --reps {IN_ORDER_REPS} at most (the pool holds every prompt a point stores)")
     points = grid(args.chunks, args.segments)
     print(
         f"# {len(points)} layouts x pages {args.pages} x paths {args.paths}; batches of at most "
@@ -546,7 +545,7 @@ def main() -> None:
     ap.add_argument(
         "--in-order",
         action="store_true",
-        help="a fresh pool and consecutive blocks instead of shuffled ones (the grid only)",
+        help="consecutive blocks and a pool of prompts stored so, not shuffled ones (the grid only)",
     )
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     ap.add_argument("--report", default="", help="print BENCHMARKS.md's table from a --json file, and stop")

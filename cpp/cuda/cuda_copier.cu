@@ -389,6 +389,11 @@ class CudaCopier final : public Copier {
     return sums_ != nullptr && &layout == layout_;
   }
 
+  // copy_pages_dma joins a run's pieces (dma_pieces.hpp) where a page is one piece.
+  bool joins_runs(const PageLayout& layout) const override {
+    return &layout == layout_ && path_ == CopyPath::kDma && layout.segments().size() == 1;
+  }
+
   bool supports(Device d) const override {
     return d.kind == DeviceKind::kCuda && d.index == device_;
   }

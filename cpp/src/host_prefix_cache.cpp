@@ -19,6 +19,7 @@
 #include "page_checksum.hpp"
 #include "page_fingerprint.hpp"
 #include "page_threads.hpp"
+#include "slot_order.hpp"
 #include "tier_link.hpp"
 
 namespace hicache {
@@ -872,6 +873,14 @@ std::int64_t HostPrefixCache::store(std::string_view request_id,
           if (link_) t.parents.push_back(i == 0 ? tier_salt_digest(chain_salt) : keys[i - 1]);
           return true;
         });
+    if (mover_.copier().joins_runs(mover_.layout())) {  // slot_order.hpp
+      detail::slots_in_block_order(moves, t.pages);
+      if (slot_sums_) {
+        for (std::size_t i = 0; i < moves.size(); ++i) {
+          moves[i].sum_at_fence = slot_sums_->sums + t.pages[i]->slot;
+        }
+      }
+    }
     // The copier may sum the pages as it copies them (tier records need the sums), unless the
     // device sums them into slot_sums_.
     if (link_ && !slot_sums_) {

@@ -247,6 +247,42 @@ TEST(CudaCopier, DmaRunsOfAdjacentSlotsAndBlocksCopyAsOnePieceAndRoundTrip) {
   cudaStreamDestroy(s);
 }
 
+TEST(CudaCopier, AStoreIntoFreedSlotsTakesThemInTheBlocksOrderAndRoundTrips) {
+  // The DMA path on one-segment pages joins runs (Copier::joins_runs), so a store into a full
+  // pool gets the slots its evictions freed (leaf first: backwards) in its blocks' order
+  // (slot_order.hpp). The bytes must come back whole; the other paths and several segments do
+  // not ask for it.
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  DevicePool pool(24, {1 << 20});
+  {
+    hicache::PageLayout layout(pool.segments(), kGpu);
+    EXPECT_TRUE(bound_copier(layout, {})->joins_runs(layout));
+    EXPECT_FALSE(bound_copier(layout, kKernelOnly)->joins_runs(layout));
+    DevicePool two(4, {1 << 20, 1 << 20});
+    hicache::PageLayout layout2(two.segments(), kGpu);
+    EXPECT_FALSE(bound_copier(layout2, {})->joins_runs(layout2));
+  }
+  hicache::CacheConfig c = config(8);
+  c.admission = hicache::Admission::kAlways;
+  hicache::HostPrefixCache cache(pool.segments(), kGpu, c);
+  ASSERT_STREQ(cache.copy_path(), "dma");
+  cudaStream_t s;
+  CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  EXPECT_EQ(cache.store("a", tokens(8 * 128 + 1), ids(0, 8), s), 8);
+  drain(cache);
+  cache.forget("a");
+  const auto b = tokens(8 * 128 + 1, 5000);
+  EXPECT_EQ(cache.store("b", b, ids(8, 8), s), 8);  // every page evicts one of a's
+  drain(cache);
+  cache.forget("b");
+  EXPECT_EQ(cache.stats().pages_evicted, 8);
+  for (std::int64_t i = 16; i < 24; ++i) pool.clear(i);
+  EXPECT_EQ(cache.try_resume("c", b, give(16), s), 8 * 128);
+  drain(cache);
+  for (std::int64_t i = 0; i < 8; ++i) EXPECT_EQ(pool.page(16 + i), pool.page(8 + i)) << i;
+  cudaStreamDestroy(s);
+}
+
 TEST(CudaCopier, DmaPiecesOnTheLegacyStreamKeepItsOrder) {
   // The batched DMA API refuses the legacy default stream (torch's current stream unless the
   // engine set one): a DMA-path call on it goes on a stream of the copier's own, ordered after

@@ -2,6 +2,7 @@
 // bounds checks and threads.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -606,6 +607,67 @@ TEST(HostPrefixCache, CopyFailuresDegradeToMissesThenDisableTheCache) {
   EXPECT_NE(s.disabled_reason.find("planned copy failure"), std::string::npos);
   copier->fail = false;
   EXPECT_EQ(cache.try_resume("f", t, give(ids(4, 2))), 0);  // stays off
+}
+
+namespace {
+
+// A CPU copier that says it joins runs (as the CUDA copier's DMA path does) or not, and keeps
+// the host addresses of each store's pages, in the order of the call's moves.
+class RunJoiningCopier : public hicache::CpuCopier {
+ public:
+  explicit RunJoiningCopier(bool joins) : joins_(joins) {}
+  void copy_pages(hicache::Direction d, const hicache::PageLayout& l,
+                  std::span<const hicache::PageMove> m, hicache::StreamHandle s) override {
+    if (d == hicache::Direction::kToHost) {
+      for (const auto& mv : m) stored.push_back(mv.host);
+    }
+    CpuCopier::copy_pages(d, l, m, s);
+  }
+  bool joins_runs(const hicache::PageLayout&) const override { return joins_; }
+  std::vector<std::byte*> stored;
+
+ private:
+  bool joins_;
+};
+
+// A store of 8 pages from blocks 8..15 into a full pool of 8 whose slots an earlier 8-page
+// prompt (blocks 0..7) took in order: leaf-first eviction frees them last page first. Returns
+// the host addresses of the first store's pages, then of the second's, in each call's order; the
+// second's pages then load back into blocks 16..23, byte for byte.
+std::pair<std::vector<std::byte*>, std::vector<std::byte*>> store_into_freed_slots(bool joins) {
+  FakeEngine eng(24, {64});
+  for (std::int64_t b = 0; b < 16; ++b) eng.fill(b, static_cast<std::uint32_t>(b + 1));
+  auto copier = std::make_shared<RunJoiningCopier>(joins);
+  CacheConfig c = small_config(8);
+  c.admission = hicache::Admission::kAlways;
+  HostPrefixCache cache(eng.segments(), {}, c, copier);
+  EXPECT_EQ(cache.store("a", tokens(8 * 16 + 1), ids(0, 8)), 8);
+  cache.poll();
+  cache.forget("a");
+  const auto first = copier->stored;
+  copier->stored.clear();
+  const auto b = tokens(8 * 16 + 1, 1000);
+  EXPECT_EQ(cache.store("b", b, ids(8, 8)), 8);
+  cache.poll();
+  cache.forget("b");
+  EXPECT_EQ(cache.try_resume("c", b, give(ids(16, 8))), 8 * 16);
+  cache.poll();
+  for (std::int64_t i = 0; i < 8; ++i) EXPECT_EQ(eng.page(16 + i), eng.page(8 + i)) << i;
+  return {first, copier->stored};
+}
+
+}  // namespace
+
+TEST(HostPrefixCache, ACopierThatJoinsRunsGetsTheFreedSlotsInTheBlocksOrder) {
+  // Without the hint the freed slots come backwards against blocks that go forwards (the
+  // negative control: no two pages could join); with it, the same slots in the blocks' order.
+  const auto [plain_first, plain] = store_into_freed_slots(false);
+  const auto [first, joined] = store_into_freed_slots(true);
+  ASSERT_EQ(plain.size(), 8u);
+  ASSERT_EQ(joined.size(), 8u);
+  EXPECT_TRUE(std::is_sorted(plain_first.begin(), plain_first.end()));  // a fresh pool: in order
+  EXPECT_TRUE(std::is_sorted(plain.rbegin(), plain.rend())) << "the scenario lost its crossed runs";
+  EXPECT_EQ(joined, first) << "not the freed slots, in the blocks' order";
 }
 
 TEST(HostPrefixCache, PoolAllocationFailureSkipsTheStore) {

@@ -107,6 +107,15 @@ class Copier {
     return false;
   }
 
+  /// Whether copy_pages moves consecutive pages of `layout` whose host slots and engine blocks
+  /// both follow each other (or both precede each other) as one copy, which costs less than a
+  /// copy a page (the CUDA copier's DMA path on one-segment pages, once bound). A cache then
+  /// gives a store's new pages its host slots in the order of their blocks.
+  virtual bool joins_runs(const PageLayout& layout) const {
+    (void)layout;
+    return false;
+  }
+
   /// How pages move, for users and logs: "cpu", "deferred", "null"; the CUDA copier, once
   /// bound: "dma", "staged" or "kernel".
   virtual const char* path() const = 0;
