@@ -140,12 +140,15 @@ class Point:
         # Host slots in random order, as in a cache that has run for a while: fill the pool with
         # one-page prompts, touch them in a random order (a store of a cached page copies
         # nothing), so the measured prompts evict them, and take their slots, in that order.
-        singles = [torch.tensor([i] * tokens + [0], dtype=torch.int32) for i in range(capacity * pages)]
-        if in_order:  # instead, prompts of `pages` pages over the same blocks, in order
-            singles = []
-            for _ in range(capacity):
-                self.store(self.prompt(), self.s1)
-                self.sync()
+        # With in_order, instead: prompts of `pages` pages over the same blocks, in order.
+        singles = (
+            []
+            if in_order
+            else [torch.tensor([i] * tokens + [0], dtype=torch.int32) for i in range(capacity * pages)]
+        )
+        for _ in range(capacity if in_order else 0):
+            self.store(self.prompt(), self.s1)
+            self.sync()
         for i, one in enumerate(singles):
             self.cache.store("fill", one, [self.sources[i % pages]], stream=self.s1)
         self.sync()

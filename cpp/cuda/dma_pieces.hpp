@@ -59,7 +59,6 @@ class DmaPieces {
   }
 
   std::size_t size() const { return sizes_.size(); }
-  bool empty() const { return sizes_.empty(); }
   void clear() {
     dst_.clear();
     src_.clear();

@@ -868,22 +868,20 @@ std::int64_t HostPrefixCache::store(std::string_view request_id,
           e->tokens.assign(page.begin(), page.end());
           pages_.add_edge(e, detail::page_fingerprint(page));
           moves.push_back({block_ids[i], host});
-          if (slot_sums_) moves.back().sum_at_fence = slot_sums_->sums + e->slot;
           t.pages.push_back(e);
           if (link_) t.parents.push_back(i == 0 ? tier_salt_digest(chain_salt) : keys[i - 1]);
           return true;
         });
     if (mover_.copier().joins_runs(mover_.layout())) {  // slot_order.hpp
       detail::slots_in_block_order(moves, t.pages);
-      if (slot_sums_) {
-        for (std::size_t i = 0; i < moves.size(); ++i) {
-          moves[i].sum_at_fence = slot_sums_->sums + t.pages[i]->slot;
-        }
-      }
     }
-    // The copier may sum the pages as it copies them (tier records need the sums), unless the
-    // device sums them into slot_sums_.
-    if (link_ && !slot_sums_) {
+    // Tier records need the pages' sums: the device writes them into slot_sums_ (by slot, so
+    // once the slots are final), or else the copier sums the pages as it copies them.
+    if (slot_sums_) {
+      for (std::size_t i = 0; i < moves.size(); ++i) {
+        moves[i].sum_at_fence = slot_sums_->sums + t.pages[i]->slot;
+      }
+    } else if (link_) {
       t.checksums.resize(moves.size());
       for (std::size_t i = 0; i < moves.size(); ++i) moves[i].checksum = &t.checksums[i];
     }

@@ -24,7 +24,7 @@ namespace hicache::detail {
 /// pages[i] is moves[i]'s entry, inserted by this store (pending: no one reads its slot yet).
 /// Reassigns the same slots (and their host addresses) so that they ascend as the blocks do: the
 /// page of the k-th smallest block gets the k-th smallest slot, pages of one block in the order
-/// given. PageMove::sum_at_fence and PageMove::checksum are left to the caller.
+/// given. Sums that go by slot (PageMove::sum_at_fence) are the caller's to set afterwards.
 inline void slots_in_block_order(std::span<PageMove> moves, std::span<Entry* const> pages) {
   const std::size_t n = moves.size();
   if (n < 2) return;
