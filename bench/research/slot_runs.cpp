@@ -12,9 +12,18 @@
 // store's and each load's copy calls would need on a trace, for windows of --window pages (0: a
 // whole call).
 //
+// With --path dma it counts the DMA path's pieces instead (one-segment, page-major pools): pages
+// in the call's order, a run of pages whose host slots and engine blocks both follow (or both
+// precede) each other one piece, joined by the copier's own rule (cpp/cuda/dma_pieces.hpp); the
+// counter says it joins runs (Copier::joins_runs), so each store gives its new pages their slots
+// in their blocks' order (cpp/src/slot_order.hpp), as the CUDA copier's DMA path makes it do.
+// Every request's pages get engine blocks 0, 1, 2...: an engine whose allocator hands a request
+// consecutive blocks, the best case for runs. --slot-order 0 leaves the slots as the evictions
+// freed them (the counter says it does not join runs, and still counts the runs there are).
+//
 //   build/<dir>/hicache_bench_slot_runs --trace data/traces/mooncake_conversation_trace.jsonl
 //       [--block-tokens 16] [--capacity-tokens 1000000] [--window 64] [--requests 0]
-//       [--admission adaptive|always]
+//       [--admission adaptive|always] [--path staged|dma] [--slot-order 1|0]
 //
 // Each request is a lookup (try_resume, so that hits refresh what they use) then a store of its
 // whole prompt, as an engine does after prefill; a trace block (512 tokens) is 512 distinct
@@ -32,6 +41,7 @@
 #include <string>
 #include <vector>
 
+#include "dma_pieces.hpp"
 #include "hicache/hicache.hpp"
 #include "probe_args.hpp"
 
@@ -68,12 +78,15 @@ std::optional<Request> parse(const std::string& line) {
 // The null copier, counting the DMA pieces of each call's copies, by direction.
 class PieceCounter : public NullCopier {
  public:
-  PieceCounter(std::size_t slot_stride, std::size_t window)
-      : slot_stride_(slot_stride), window_(window) {}
+  PieceCounter(std::size_t slot_stride, std::size_t window, bool dma, bool slot_order)
+      : slot_stride_(slot_stride), window_(window), dma_(dma), slot_order_(slot_order) {}
 
-  void copy_pages(Direction dir, const PageLayout&, std::span<const PageMove> moves,
+  bool joins_runs(const PageLayout&) const override { return dma_ && slot_order_; }
+
+  void copy_pages(Direction dir, const PageLayout& layout, std::span<const PageMove> moves,
                   StreamHandle) override {
     Count& c = dir == Direction::kToHost ? stores : loads;
+    if (dma_) return count_dma(dir, layout, moves, c);
     const std::size_t w = window_ == 0 ? moves.size() : window_;
     for (std::size_t i0 = 0; i0 < moves.size(); i0 += w) {
       hosts_.clear();
@@ -100,8 +113,31 @@ class PieceCounter : public NullCopier {
   Count stores, loads;
 
  private:
+  // The DMA path's pieces of one call (cuda_copier.cu, copy_pages_dma): the pieces of each full
+  // batch of kBatch, then of the rest.
+  void count_dma(Direction dir, const PageLayout& layout, std::span<const PageMove> moves,
+                 Count& c) {
+    constexpr std::size_t kBatch = 128;  // the copier's kDmaBatch
+    cuda::DmaPieces pieces(kBatch);
+    const auto bytes = static_cast<std::size_t>(layout.page_bytes());
+    for (const PageMove& m : moves) {
+      void* dev = layout.block_address(0, m.block);
+      void* to = dir == Direction::kToHost ? static_cast<void*>(m.host) : dev;
+      void* from = dir == Direction::kToHost ? dev : static_cast<void*>(m.host);
+      if (!pieces.add(to, from, bytes, true)) {
+        c.pieces += static_cast<std::int64_t>(pieces.size());
+        pieces.clear();
+        pieces.add(to, from, bytes, false);
+      }
+    }
+    c.pieces += static_cast<std::int64_t>(pieces.size());
+    c.pages += static_cast<std::int64_t>(moves.size());
+  }
+
   std::size_t slot_stride_;
   std::size_t window_;
+  bool dma_;
+  bool slot_order_;
   std::vector<std::uintptr_t> hosts_;
 };
 
@@ -115,11 +151,15 @@ int main(int argc, char** argv) {
   const long window = arg(argc, argv, "--window", 64L);
   const long limit = arg(argc, argv, "--requests", 0L);
   const std::string admission = arg(argc, argv, "--admission", "adaptive");
-  if (path.empty() || B < 1 || 512 % B != 0 || capacity_tokens < B || window < 0) {
+  const std::string copy_path = arg(argc, argv, "--path", "staged");
+  const long slot_order = arg(argc, argv, "--slot-order", 1L);
+  if (path.empty() || B < 1 || 512 % B != 0 || capacity_tokens < B || window < 0 ||
+      (copy_path != "staged" && copy_path != "dma") || (slot_order != 0 && slot_order != 1)) {
     std::fprintf(
         stderr,
         "usage: --trace FILE [--block-tokens B (dividing 512)] [--capacity-tokens N] "
-        "[--window PAGES (0: a whole call)] [--requests N] [--admission adaptive|always]\n");
+        "[--window PAGES (0: a whole call; the staged path)] [--requests N] "
+        "[--admission adaptive|always] [--path staged|dma] [--slot-order 1|0 (the DMA path)]\n");
     return 2;
   }
   std::ifstream in(path);
@@ -143,7 +183,8 @@ int main(int argc, char** argv) {
   config.block_tokens = B;
   config.capacity_pages = capacity_tokens / B;
   config.admission = parse_admission(admission);
-  auto counter = std::make_shared<PieceCounter>(kPageBytes, static_cast<std::size_t>(window));
+  auto counter = std::make_shared<PieceCounter>(kPageBytes, static_cast<std::size_t>(window),
+                                                copy_path == "dma", slot_order == 1);
   HostPrefixCache cache({Segment{kv.data(), most_pages, kPageBytes, kPageBytes}}, Device{}, config,
                         counter);
   std::vector<std::int64_t> blocks(static_cast<std::size_t>(most_pages));
@@ -173,12 +214,17 @@ int main(int argc, char** argv) {
   const CacheStats s = cache.stats();
   const auto& st = counter->stores;
   const auto& ld = counter->loads;
+  std::string counted = "the DMA path's runs";
+  if (copy_path == "dma" && slot_order == 0) counted += ", slots as freed";
+  if (copy_path == "staged") {
+    counted = "staging windows of " +
+              (window == 0 ? std::string("a whole call") : std::to_string(window) + " pages");
+  }
   std::printf(
-      "%s: %zu requests, %ld-token pages, %ld tokens of host memory, admission %s, windows of "
-      "%s: stores %lld pages (%lld stores) in %lld DMA pieces (%.3f a page); loads %lld pages in "
+      "%s: %zu requests, %ld-token pages, %ld tokens of host memory, admission %s, %s: stores %lld "
+      "pages (%lld stores) in %lld DMA pieces (%.3f a page); loads %lld pages in "
       "%lld pieces (%.3f a page); %lld pages evicted\n",
-      path.c_str(), requests.size(), B, capacity_tokens, admission.c_str(),
-      window == 0 ? "a whole call" : (std::to_string(window) + " pages").c_str(),
+      path.c_str(), requests.size(), B, capacity_tokens, admission.c_str(), counted.c_str(),
       static_cast<long long>(st.pages), static_cast<long long>(stores_with_pages),
       static_cast<long long>(st.pieces), st.per_page(), static_cast<long long>(ld.pages),
       static_cast<long long>(ld.pieces), ld.per_page(), static_cast<long long>(s.pages_evicted));
