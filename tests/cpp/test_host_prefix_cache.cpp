@@ -14,6 +14,7 @@
 #include "chain_hasher.hpp"
 #include "fake_engine.hpp"
 #include "hicache/hicache.hpp"
+#include "page_threads.hpp"
 #include "test_support.hpp"
 
 namespace {
@@ -668,6 +669,195 @@ TEST(HostPrefixCache, ACopierThatJoinsRunsGetsTheFreedSlotsInTheBlocksOrder) {
   EXPECT_TRUE(std::is_sorted(plain_first.begin(), plain_first.end()));  // a fresh pool: in order
   EXPECT_TRUE(std::is_sorted(plain.rbegin(), plain.rend())) << "the scenario lost its crossed runs";
   EXPECT_EQ(joined, first) << "not the freed slots, in the blocks' order";
+}
+
+namespace {
+
+// A CPU copier that says its copies should overlap the store's walk (as the CUDA copier's DMA
+// and staged paths do) or not, and notes the thread of each store call. Store call `fail_call`
+// (0 = the first) sleeps `fail_after`, then fails; calls after it sleep `slow` first.
+class OverlappingCopier : public hicache::CpuCopier {
+ public:
+  explicit OverlappingCopier(bool overlaps) : overlaps_(overlaps) {}
+  void copy_pages(hicache::Direction d, const hicache::PageLayout& l,
+                  std::span<const hicache::PageMove> m, hicache::StreamHandle s) override {
+    if (d == hicache::Direction::kToHost) {
+      std::size_t call = 0;
+      {
+        std::lock_guard<std::mutex> g(mu_);
+        call = threads_.size();
+        threads_.push_back(std::this_thread::get_id());
+      }
+      if (call > 0) std::this_thread::sleep_for(slow);
+      if (static_cast<long>(call) == fail_call) {
+        std::this_thread::sleep_for(fail_after);
+        throw hicache::Error("planned copy failure");
+      }
+      CpuCopier::copy_pages(d, l, m, s);
+      stored_pages += m.size();
+      return;
+    }
+    CpuCopier::copy_pages(d, l, m, s);
+  }
+  bool overlaps_walk(const hicache::PageLayout&) const override { return overlaps_; }
+  std::vector<std::thread::id> threads() {
+    std::lock_guard<std::mutex> g(mu_);
+    return threads_;
+  }
+  long fail_call = -1;
+  std::chrono::milliseconds fail_after{0};
+  std::chrono::milliseconds slow{0};
+  std::atomic<std::size_t> stored_pages{0};
+
+ private:
+  bool overlaps_;
+  std::mutex mu_;
+  std::vector<std::thread::id> threads_;
+};
+
+constexpr std::int64_t kLongPrompt = 1024;  // pages: a store of several installments
+
+CacheConfig always_config(std::int64_t pages) {
+  CacheConfig c = small_config(pages);
+  c.admission = hicache::Admission::kAlways;
+  return c;
+}
+
+}  // namespace
+
+TEST(HostPrefixCache, ACopierThatOverlapsTheWalkGetsTheLaterInstallmentsOnAnotherThread) {
+  for (const bool overlaps : {false, true}) {
+    SCOPED_TRACE(overlaps ? "overlapping" : "the control: not overlapping");
+    FakeEngine eng(2 * kLongPrompt, {64});
+    for (std::int64_t b = 0; b < kLongPrompt; ++b) eng.fill(b, static_cast<std::uint32_t>(b + 7));
+    auto copier = std::make_shared<OverlappingCopier>(overlaps);
+    copier->slow = std::chrono::milliseconds(2);  // a late copy would still be running
+    HostPrefixCache cache(eng.segments(), {}, always_config(kLongPrompt), copier);
+    const auto prompt = tokens(kLongPrompt * 16 + 1);
+    EXPECT_EQ(cache.store("a", prompt, ids(0, kLongPrompt)), kLongPrompt);
+    // Every copy was enqueued (here: done) before the call returned.
+    EXPECT_EQ(copier->stored_pages.load(), static_cast<std::size_t>(kLongPrompt));
+    const auto threads = copier->threads();
+    ASSERT_GE(threads.size(), 2u) << "the store made one installment";
+    EXPECT_EQ(threads[0], std::this_thread::get_id()) << "the first copies wait for a hand-over";
+    for (std::size_t i = 1; i < threads.size(); ++i) {
+      if (overlaps) {
+        EXPECT_NE(threads[i], std::this_thread::get_id()) << i;
+        EXPECT_EQ(threads[i], threads[1]) << i;  // one copy thread, in order
+      } else {
+        EXPECT_EQ(threads[i], std::this_thread::get_id()) << i;
+      }
+    }
+    cache.poll();
+    cache.forget("a");
+    EXPECT_EQ(cache.try_resume("b", prompt, give(ids(kLongPrompt, kLongPrompt))), kLongPrompt * 16);
+    cache.poll();
+    for (std::int64_t i = 0; i < kLongPrompt; ++i) {
+      ASSERT_EQ(eng.page(kLongPrompt + i), eng.page(i)) << i;
+    }
+  }
+}
+
+TEST(HostPrefixCache, AFailedCopyBehindTheWalkKeepsTheInstallmentsBeforeIt) {
+  // The second installment's copy fails 200 ms into the copy thread's call: meanwhile the store
+  // walked every later installment, whose copies must not run and whose pages must go. The
+  // process's background thread is held here, so the store hashes its chain itself, in
+  // doubling installments (16, 16, 32, 64... pages): the failed one is not the last.
+  std::mutex held;
+  std::unique_lock<std::mutex> hold(held);
+  hicache::detail::BackgroundTask busy;
+  ASSERT_TRUE(busy.start([&] { std::lock_guard<std::mutex> g(held); }));
+  FakeEngine eng(2 * kLongPrompt, {64});
+  for (std::int64_t b = 0; b < kLongPrompt; ++b) eng.fill(b, static_cast<std::uint32_t>(b + 3));
+  auto copier = std::make_shared<OverlappingCopier>(true);
+  copier->fail_call = 1;
+  copier->fail_after = std::chrono::milliseconds(200);
+  HostPrefixCache cache(eng.segments(), {}, always_config(kLongPrompt), copier);
+  const auto prompt = tokens(kLongPrompt * 16 + 1);
+  EXPECT_EQ(cache.store("a", prompt, ids(0, kLongPrompt)), 16);  // the first installment
+  EXPECT_EQ(copier->threads().size(), 2u) << "a copy ran after the one that failed";
+  auto s = cache.stats();
+  EXPECT_EQ(s.errors, 1);
+  EXPECT_NE(s.last_error.find("planned copy failure"), std::string::npos);
+  cache.poll();
+  cache.forget("a");
+  s = cache.stats();
+  EXPECT_EQ(s.pages_stored, 16);
+  EXPECT_EQ(s.pages_discarded, kLongPrompt - 16) << "the store did not walk ahead of the failure";
+  EXPECT_EQ(s.pages_used, 16);
+  EXPECT_EQ(s.pages_busy, 0);
+  EXPECT_EQ(cache.try_resume("b", prompt, give(ids(kLongPrompt, 16))), 16 * 16);
+  cache.poll();
+  for (std::int64_t i = 0; i < 16; ++i) ASSERT_EQ(eng.page(kLongPrompt + i), eng.page(i)) << i;
+  // The copy thread is free again, and the cache still stores.
+  copier->fail_call = -1;
+  EXPECT_EQ(cache.store("c", prompt, ids(0, kLongPrompt)), kLongPrompt - 16);
+  hold.unlock();
+  busy.wait();
+}
+
+TEST(HostPrefixCache, StoresBehindTheWalkOnADeferredDeviceAreServedOnlyOnceTheirCopiesRan) {
+  class OverlappingDeferred : public hicache::DeferredCopier {
+   public:
+    bool overlaps_walk(const hicache::PageLayout&) const override { return true; }
+  };
+  FakeEngine eng(2 * kLongPrompt, {64});
+  for (std::int64_t b = 0; b < kLongPrompt; ++b) eng.fill(b, static_cast<std::uint32_t>(b + 11));
+  auto copier = std::make_shared<OverlappingDeferred>();
+  HostPrefixCache cache(eng.segments(), {}, always_config(kLongPrompt), copier);
+  const auto prompt = tokens(kLongPrompt * 16 + 1);
+  EXPECT_EQ(cache.store("a", prompt, ids(0, kLongPrompt)), kLongPrompt);
+  cache.poll();
+  EXPECT_EQ(cache.try_resume("b", prompt, give(ids(kLongPrompt, kLongPrompt))), 0)
+      << "pages served before their copies ran";
+  // The first installment's copy alone: its 16 pages, and none of a later installment whose
+  // fence was recorded before its copies.
+  EXPECT_EQ(copier->complete_next(hicache::StreamHandle{}, 1), 1u);
+  cache.poll();
+  EXPECT_EQ(cache.try_resume("c", prompt, give(ids(kLongPrompt, kLongPrompt))), 16 * 16);
+  EXPECT_GE(copier->complete(), 2u);  // the later installments, each a copy, and c's load
+  cache.poll();
+  for (const char* r : {"a", "b", "c"}) cache.forget(r);
+  EXPECT_EQ(cache.try_resume("d", prompt, give(ids(kLongPrompt, kLongPrompt))), kLongPrompt * 16);
+  copier->complete();
+  cache.poll();
+  for (std::int64_t i = 0; i < kLongPrompt; ++i) {
+    ASSERT_EQ(eng.page(kLongPrompt + i), eng.page(i)) << i;
+  }
+}
+
+TEST(HostPrefixCache, TwoCachesStoringBehindTheirWalksAtOnceShareTheCopyThread) {
+  // Two engines' caches in one process, a thread each, storing long prompts at once: one store
+  // holds the copy thread, the other copies on its own thread meanwhile. Every page loads back
+  // byte for byte.
+  constexpr std::int64_t kPages = 256;
+  std::atomic<int> bad{0};
+  std::vector<std::thread> engines;
+  for (int e = 0; e < 2; ++e) {
+    engines.emplace_back([&, e] {
+      FakeEngine eng(2 * kPages, {64});
+      auto copier = std::make_shared<OverlappingCopier>(true);
+      HostPrefixCache cache(eng.segments(), {}, always_config(2 * kPages), copier);
+      for (int round = 0; round < 8; ++round) {
+        for (std::int64_t b = 0; b < kPages; ++b) {
+          eng.fill(b, static_cast<std::uint32_t>(e * 100000 + round * 1000 + b));
+        }
+        const auto prompt =
+            tokens(kPages * 16 + 1, static_cast<std::int32_t>(e * 10'000'000 + round * 100'000));
+        if (cache.store("s", prompt, ids(0, kPages)) != kPages) ++bad;
+        cache.poll();
+        cache.forget("s");
+        if (cache.try_resume("l", prompt, give(ids(kPages, kPages))) != kPages * 16) ++bad;
+        cache.poll();
+        cache.forget("l");
+        for (std::int64_t b = 0; b < kPages; ++b) {
+          if (eng.page(kPages + b) != eng.page(b)) ++bad;
+        }
+      }
+    });
+  }
+  for (auto& t : engines) t.join();
+  EXPECT_EQ(bad.load(), 0);
 }
 
 TEST(HostPrefixCache, PoolAllocationFailureSkipsTheStore) {

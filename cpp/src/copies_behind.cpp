@@ -1,0 +1,131 @@
+#include "copies_behind.hpp"
+
+#include <unistd.h>
+
+#include <condition_variable>
+#include <deque>
+#include <exception>
+#include <mutex>
+#include <system_error>
+#include <thread>
+#include <utility>
+
+namespace hicache::detail {
+namespace {
+
+// Parked on a condition variable until an owner adds jobs; runs them in the order added. Never
+// destroyed (so exit never waits for it), and not used in a forked child, whose copies of its
+// mutex and condition variables may be held or waited on by a thread that does not exist there.
+class CopyThread {
+ public:
+  bool try_own() {
+    if (::getpid() != owner_pid_) return false;
+    std::lock_guard<std::mutex> g(mu_);
+    if (owned_) return false;
+    if (!thread_.joinable()) {
+      try {
+        thread_ = std::thread([this] { loop(); });
+      } catch (const std::system_error&) {
+        return false;
+      }
+    }
+    owned_ = true;
+    failure_ = nullptr;
+    return true;
+  }
+
+  void add(std::function<void()> job) {
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      if (failure_) return;  // an earlier job threw: the queue has ended
+      jobs_.push_back(std::move(job));
+    }
+    wake_.notify_one();
+  }
+
+  // Waits until the queue is empty and no job runs; frees the thread for the next owner.
+  std::exception_ptr release() {
+    std::unique_lock<std::mutex> g(mu_);
+    idle_.wait(g, [&] { return jobs_.empty() && !running_; });
+    owned_ = false;
+    return std::exchange(failure_, nullptr);
+  }
+
+ private:
+  void loop() {
+    std::unique_lock<std::mutex> g(mu_);
+    for (;;) {
+      wake_.wait(g, [&] { return !jobs_.empty(); });
+      std::function<void()> job = std::move(jobs_.front());
+      jobs_.pop_front();
+      running_ = true;
+      g.unlock();
+      std::exception_ptr failure;
+      try {
+        job();
+      } catch (...) {
+        failure = std::current_exception();
+      }
+      job = nullptr;  // what it holds goes before its owner is told it ran
+      g.lock();
+      running_ = false;
+      if (failure && !failure_) {
+        failure_ = failure;
+        jobs_.clear();  // the jobs after it do not run
+      }
+      if (jobs_.empty()) idle_.notify_all();
+    }
+  }
+
+  std::mutex mu_;
+  std::condition_variable wake_, idle_;
+  std::thread thread_;
+  pid_t owner_pid_ = ::getpid();
+  std::deque<std::function<void()>> jobs_;
+  bool running_ = false;
+  bool owned_ = false;  // a CopiesBehind holds the thread (construction to wait)
+  std::exception_ptr failure_;
+};
+
+CopyThread& copy_thread() {
+  static CopyThread* t = new CopyThread;
+  return *t;
+}
+
+}  // namespace
+
+void CopiesBehind::add(std::function<void()> job) {
+  if (failed_) return;
+  if (want_) {
+    want_ = false;
+    behind_ = copy_thread().try_own();
+  }
+  if (behind_) return copy_thread().add(std::move(job));
+  try {
+    job();
+  } catch (...) {
+    failed_ = true;
+    failure_ = std::current_exception();
+  }
+}
+
+void CopiesBehind::wait() {
+  std::exception_ptr failure = std::exchange(failure_, nullptr);
+  if (behind_) {
+    behind_ = false;
+    failure = copy_thread().release();
+  }
+  if (failure) {
+    failed_ = true;
+    std::rethrow_exception(failure);
+  }
+}
+
+void CopiesBehind::drain() noexcept {
+  try {
+    wait();
+  } catch (...) {  // the owner's own error (if any) is the one that matters now
+  }
+}
+
+}  // namespace hicache::detail
