@@ -394,12 +394,6 @@ class CudaCopier final : public Copier {
     return &layout == layout_ && path_ == CopyPath::kDma && layout.segments().size() == 1;
   }
 
-  // Each DMA piece costs the calling thread 0.4-0.9 us in the driver, on the DMA path and in
-  // the staged path's windows; the kernel path's launches cost a few us a call.
-  bool overlaps_walk(const PageLayout& layout) const override {
-    return &layout == layout_ && path_ != CopyPath::kKernel;
-  }
-
   bool supports(Device d) const override {
     return d.kind == DeviceKind::kCuda && d.index == device_;
   }

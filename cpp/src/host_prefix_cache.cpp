@@ -1,17 +1,14 @@
 #include "hicache/host_prefix_cache.hpp"
 
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
-#include <deque>
 #include <stdexcept>
 #include <string>
 #include <thread>
 
 #include "chain_hasher.hpp"
-#include "copies_behind.hpp"
 #include "hicache/chain_walk.hpp"
 #include "hicache/cpu_copier.hpp"
 #include "hicache/cuda_copier.hpp"
@@ -851,127 +848,65 @@ std::int64_t HostPrefixCache::store(std::string_view request_id,
   };
   std::int64_t new_pages = 0;
   bool unpinned = false;  // stopped at a slot whose memory is not pinned yet
-  // Each installment's copies are enqueued behind the walk of the next one, on the copy thread,
-  // where the copier asks for it (copies_behind.hpp), else at once; the first one's always at
-  // once. Its transfer is registered once every copy of the call was enqueued (a store's
-  // transfers stay open until it returns, so none could be retired sooner), with the fence its
-  // copies recorded after them. A copy that fails ends the store there: the installments before
-  // it stand (their pages are the prompt's prefix), it and any walked after it are discarded.
-  struct Installment {
-    Installment(Transfer tr, std::vector<PageMove> mv) : t(std::move(tr)), moves(std::move(mv)) {}
+  for (;;) {              // one installment: walk its keys, enqueue its copies
     Transfer t;
+    t.request = std::string(request_id);
+    t.is_store = true;
+    t.open = true;
     std::vector<PageMove> moves;
-    bool ran = false;                        // false: dropped, an earlier installment failed
-    std::optional<std::string> copy_error;   // the copier's
-    std::optional<std::string> fence_error;  // no fence: its entries stay held forever
-  };
-  std::deque<Installment> installments;  // stable addresses: the copy thread holds them
-  std::atomic<bool> copy_failed{false};
-  const auto copy_installment = [&](Installment& in) {  // on either thread
-    if (copy_failed.load(std::memory_order_acquire)) return;
-    in.ran = true;
-    try {
-      mover_.copy(Direction::kToHost, in.moves, stream);
-    } catch (const Error& err) {
-      in.copy_error = err.what();
-      copy_failed.store(true, std::memory_order_release);
+    walk_store(
+        pages_, admission_, next_serial_, keys, root, StaleKeys::kReplace, w,
+        [&](std::size_t i, const Entry* e) {
+          return same_tokens(e->tokens, tokens.subspan(i * static_cast<std::size_t>(B),
+                                                       static_cast<std::size_t>(B)));
+        },
+        [&](std::size_t i, Entry* e) {
+          std::byte* host = host_slot(mover_.pool(), e->slot, unpinned);
+          if (host == nullptr) return false;
+          const auto page =
+              tokens.subspan(i * static_cast<std::size_t>(B), static_cast<std::size_t>(B));
+          e->tokens.assign(page.begin(), page.end());
+          pages_.add_edge(e, detail::page_fingerprint(page));
+          moves.push_back({block_ids[i], host});
+          t.pages.push_back(e);
+          if (link_) t.parents.push_back(i == 0 ? tier_salt_digest(chain_salt) : keys[i - 1]);
+          return true;
+        });
+    if (mover_.copier().joins_runs(mover_.layout())) {  // slot_order.hpp
+      detail::slots_in_block_order(moves, t.pages);
     }
-    try {
-      in.t.fence = mover_.copier().record(stream);  // after this installment's copies
-    } catch (const Error& err) {
-      in.fence_error = err.what();
-    }
-  };
-  detail::CopiesBehind copies(mover_.copier().overlaps_walk(mover_.layout()));
-  // Registers what the installments enqueued, in order, once the copy thread is done with them.
-  // Returns false if one failed.
-  const auto register_installments = [&](bool raised) {
-    bool ok = true;
-    for (Installment& in : installments) {
-      const bool failed = raised || !in.ran || in.copy_error.has_value();
-      if (in.copy_error) note_error(*in.copy_error);
-      if (in.fence_error) {
-        note_error(*in.fence_error);
-      } else if (Transfer* r = register_transfer(std::move(in.t), stream, failed)) {
-        opened.push_back(r);
+    // Tier records need the pages' sums: the device writes them into slot_sums_ (by slot, so
+    // once the slots are final), or else the copier sums the pages as it copies them.
+    if (slot_sums_) {
+      for (std::size_t i = 0; i < moves.size(); ++i) {
+        moves[i].sum_at_fence = slot_sums_->sums + t.pages[i]->slot;
       }
-      if (failed) {
-        ok = false;
-        continue;
+    } else if (link_) {
+      t.checksums.resize(moves.size());
+      for (std::size_t i = 0; i < moves.size(); ++i) moves[i].checksum = &t.checksums[i];
+    }
+    if (!moves.empty()) {
+      bool failed = false;
+      try {
+        mover_.copy(Direction::kToHost, moves, stream);
+      } catch (const Error& err) {
+        note_error(err.what());
+        failed = true;
+      }
+      if (Transfer* r = register_transfer(std::move(t), stream, failed)) opened.push_back(r);
+      if (failed) {  // earlier installments stand: their pages are the prompt's prefix
+        observe_rest();
+        close(false);
+        return new_pages;
       }
       note_success();
-      new_pages += static_cast<std::int64_t>(in.moves.size());
+      new_pages += static_cast<std::int64_t>(moves.size());
     }
-    installments.clear();
-    return ok;
-  };
-  try {
-    for (;;) {  // one installment: walk its keys, enqueue its copies
-      Transfer t;
-      t.request = std::string(request_id);
-      t.is_store = true;
-      t.open = true;
-      std::vector<PageMove> moves;
-      walk_store(
-          pages_, admission_, next_serial_, keys, root, StaleKeys::kReplace, w,
-          [&](std::size_t i, const Entry* e) {
-            return same_tokens(e->tokens, tokens.subspan(i * static_cast<std::size_t>(B),
-                                                         static_cast<std::size_t>(B)));
-          },
-          [&](std::size_t i, Entry* e) {
-            std::byte* host = host_slot(mover_.pool(), e->slot, unpinned);
-            if (host == nullptr) return false;
-            const auto page =
-                tokens.subspan(i * static_cast<std::size_t>(B), static_cast<std::size_t>(B));
-            e->tokens.assign(page.begin(), page.end());
-            pages_.add_edge(e, detail::page_fingerprint(page));
-            moves.push_back({block_ids[i], host});
-            t.pages.push_back(e);
-            if (link_) t.parents.push_back(i == 0 ? tier_salt_digest(chain_salt) : keys[i - 1]);
-            return true;
-          });
-      if (mover_.copier().joins_runs(mover_.layout())) {  // slot_order.hpp
-        detail::slots_in_block_order(moves, t.pages);
-      }
-      // Tier records need the pages' sums: the device writes them into slot_sums_ (by slot, so
-      // once the slots are final), or else the copier sums the pages as it copies them.
-      if (slot_sums_) {
-        for (std::size_t i = 0; i < moves.size(); ++i) {
-          moves[i].sum_at_fence = slot_sums_->sums + t.pages[i]->slot;
-        }
-      } else if (link_) {
-        t.checksums.resize(moves.size());
-        for (std::size_t i = 0; i < moves.size(); ++i) moves[i].checksum = &t.checksums[i];
-      }
-      if (!moves.empty()) {
-        Installment& in = installments.emplace_back(std::move(t), std::move(moves));
-        if (installments.size() == 1) {
-          copy_installment(in);  // at once: the first copies start with no hand-over
-        } else {
-          copies.add([&copy_installment, &in] { copy_installment(in); });
-        }
-        if (copy_failed.load(std::memory_order_acquire)) break;
-      }
-      if (w.stop != StoreWalk::Stop::kEnd || static_cast<std::int64_t>(keys.size()) == n_full)
-        break;
-      const std::size_t seen = keys.size();
-      ahead.extend(keys, static_cast<std::int64_t>(seen) + kFirstKeys,
-                   std::min<std::int64_t>(n_full, 2 * static_cast<std::int64_t>(seen)));
-      admission_.observe_more(std::span<const Key>(keys).subspan(seen));
-    }
-    copies.wait();
-  } catch (...) {
-    // Whatever was enqueued is covered by the fences registered here (recorded after the copy
-    // thread is done), and never published.
-    copies.drain();
-    register_installments(/*raised=*/true);
-    close(true);
-    throw;
-  }
-  if (!register_installments(/*raised=*/false)) {
-    observe_rest();
-    close(false);
-    return new_pages;
+    if (w.stop != StoreWalk::Stop::kEnd || static_cast<std::int64_t>(keys.size()) == n_full) break;
+    const std::size_t seen = keys.size();
+    ahead.extend(keys, static_cast<std::int64_t>(seen) + kFirstKeys,
+                 std::min<std::int64_t>(n_full, 2 * static_cast<std::int64_t>(seen)));
+    admission_.observe_more(std::span<const Key>(keys).subspan(seen));
   }
   observe_rest();
   bool skipped = w.stop != StoreWalk::Stop::kEnd && w.stop != StoreWalk::Stop::kDeclined;

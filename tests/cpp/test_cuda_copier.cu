@@ -283,57 +283,6 @@ TEST(CudaCopier, AStoreIntoFreedSlotsTakesThemInTheBlocksOrderAndRoundTrips) {
   cudaStreamDestroy(s);
 }
 
-TEST(CudaCopier, ALongStoreBehindItsWalkHasEnqueuedEveryCopyWhenItReturns) {
-  // On the DMA and staged paths a store's later installments are enqueued by the copy thread
-  // (Copier::overlaps_walk; copies_behind.hpp), and the store returns once they all are. Behind
-  // a running kernel (its copies queue), the engine overwrites every stored block right after
-  // the call returned, on the same stream: a copy enqueued after that would read the new bytes.
-  // On a stream of the engine's own and on the legacy stream; the kernel path copies at once.
-  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
-  constexpr std::int64_t kPages = 300;
-  struct Case {
-    const char* path;
-    std::vector<std::int64_t> chunks;
-  };
-  for (const Case& c :
-       {Case{"dma", {256 << 10}}, Case{"staged", std::vector<std::int64_t>(8, 64 << 10)},
-        Case{"kernel", {16 << 10, 16 << 10}}}) {
-    for (const bool legacy : {false, true}) {
-      SCOPED_TRACE(std::string(c.path) + (legacy ? ", the legacy stream" : ", its own stream"));
-      DevicePool pool(2 * kPages + 1, c.chunks);
-      {
-        hicache::PageLayout layout(pool.segments(), kGpu);
-        auto copier = bound_copier(layout, {});
-        ASSERT_STREQ(copier->path(), c.path);
-        EXPECT_EQ(copier->overlaps_walk(layout), std::string(c.path) != "kernel");
-      }
-      hicache::CacheConfig cfg = config(kPages + 16);
-      cfg.admission = hicache::Admission::kAlways;
-      cfg.pin_upfront = true;  // every slot pinned before the store (none skipped)
-      hicache::HostPrefixCache cache(pool.segments(), kGpu, cfg);
-      ASSERT_STREQ(cache.copy_path(), c.path);
-      cudaStream_t s = nullptr;
-      if (!legacy) CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-      std::vector<std::vector<std::uint8_t>> before;
-      for (std::int64_t b = 0; b < kPages; ++b) before.push_back(pool.page(b));
-      const auto prompt = tokens(static_cast<std::size_t>(kPages * 128 + 1));
-      spin<<<1, 1, 0, s>>>(kSpinCycles / 4);
-      CK(cudaGetLastError());
-      EXPECT_EQ(cache.store("a", prompt, ids(0, kPages), s), kPages) << cache.stats().last_error;
-      for (std::int64_t b = 0; b < kPages; ++b) pool.set_async(b, 0x5A, s);  // the engine's next
-      drain(cache);
-      cache.forget("a");
-      for (std::int64_t b = 0; b < kPages; ++b) pool.clear(kPages + b);
-      EXPECT_EQ(cache.try_resume("b", prompt, give(kPages), s), kPages * 128);
-      drain(cache);
-      for (std::int64_t b = 0; b < kPages; ++b) {
-        ASSERT_EQ(pool.page(kPages + b), before[static_cast<std::size_t>(b)]) << "page " << b;
-      }
-      if (s != nullptr) cudaStreamDestroy(s);
-    }
-  }
-}
-
 TEST(CudaCopier, DmaPiecesOnTheLegacyStreamKeepItsOrder) {
   // The batched DMA API refuses the legacy default stream (torch's current stream unless the
   // engine set one): a DMA-path call on it goes on a stream of the copier's own, ordered after

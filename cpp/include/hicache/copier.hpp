@@ -116,16 +116,6 @@ class Copier {
     return false;
   }
 
-  /// Whether a store should enqueue its copies of `layout`'s pages from a thread of its own
-  /// while it walks the index for its next installment: where copy_pages costs the calling
-  /// thread about what the walk costs a page (the CUDA copier's DMA and staged paths, once bound:
-  /// driver calls a piece). copy_pages and record are then called from that thread, one call at
-  /// a time, and the store returns once all of them have returned.
-  virtual bool overlaps_walk(const PageLayout& layout) const {
-    (void)layout;
-    return false;
-  }
-
   /// How pages move, for users and logs: "cpu", "deferred", "null"; the CUDA copier, once
   /// bound: "dma", "staged" or "kernel".
   virtual const char* path() const = 0;
