@@ -3,10 +3,10 @@
 #include <algorithm>
 #include <climits>
 #include <cstring>
-#include <list>
 #include <stdexcept>
 #include <string>
-#include <unordered_map>
+
+#include "flat_lru.hpp"
 
 namespace hicache {
 
@@ -189,36 +189,28 @@ class SecondSighting final : public AdmissionPolicy {
 class MiniLru {
  public:
   MiniLru(std::size_t capacity, std::size_t ghost_generation)
-      : capacity_(std::max<std::size_t>(1, capacity)),
-        second_sighting_(ghost_generation != 0),
-        ghost_(second_sighting_ ? ghost_generation : 1) {}
+      : second_sighting_(ghost_generation != 0),
+        ghost_(second_sighting_ ? ghost_generation : 1),
+        lru_(std::max<std::size_t>(1, capacity)) {}
 
   void access(std::uint64_t fp) {
-    if (auto it = where_.find(fp); it != where_.end()) {
-      order_.splice(order_.begin(), order_, it->second);
+    if (lru_.touch(fp)) {
       hits_ += 1.0;
       return;
     }
-    if (where_.size() >= capacity_) {
-      if (second_sighting_ && !ghost_.contains(fp)) {
-        ghost_.record(fp);
-        return;
-      }
-      where_.erase(order_.back());
-      order_.pop_back();
+    if (lru_.full() && second_sighting_ && !ghost_.contains(fp)) {
+      ghost_.record(fp);
+      return;
     }
-    order_.push_front(fp);
-    where_[fp] = order_.begin();
+    lru_.add(fp);
   }
   void decay(double f) { hits_ *= f; }
   double hits() const { return hits_; }
 
  private:
-  std::size_t capacity_;
   bool second_sighting_;
   GhostKeys ghost_;
-  std::list<std::uint64_t> order_;  // most recently used first
-  std::unordered_map<std::uint64_t, std::list<std::uint64_t>::iterator> where_;
+  detail::FlatLru lru_;
   double hits_ = 0.0;
 };
 

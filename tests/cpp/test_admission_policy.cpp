@@ -2,10 +2,12 @@
 
 #include <gtest/gtest.h>
 
+#include <list>
 #include <random>
 #include <unordered_map>
 #include <vector>
 
+#include "flat_lru.hpp"
 #include "hicache/admission_policy.hpp"
 #include "hicache/entry_table.hpp"
 #include "hicache/prefix_index.hpp"
@@ -159,4 +161,41 @@ TEST(EntryTable, MatchesAHashMapOverRandomInsertsAndErasesWithCollidingTags) {
     ASSERT_EQ(table.find(pool[i].key), in ? &pool[i] : nullptr);
   }
   EXPECT_EQ(table.size(), n);
+}
+
+TEST(FlatLru, AgreesWithAListAndAMapOverRandomAccesses) {
+  // The reference is what the adaptive policy's simulated pools were: a std::list, most
+  // recently used first, and a map from each fingerprint to its node. Small universes make
+  // every path run: hits, adds below and at capacity, and drops from the back.
+  for (const std::size_t capacity : {1u, 2u, 7u, 64u, 300u}) {
+    std::mt19937_64 rng(capacity);
+    hicache::detail::FlatLru lru(capacity);
+    std::list<std::uint64_t> order;
+    std::unordered_map<std::uint64_t, std::list<std::uint64_t>::iterator> where;
+    const std::uint64_t universe = 3 * capacity + 2;
+    for (int step = 0; step < 20000; ++step) {
+      // Fingerprints of few bits and spread ones alike (their homes collide or not).
+      const std::uint64_t k = rng() % universe;
+      const std::uint64_t fp = step % 2 ? k : k * 0x9e3779b97f4a7c15ULL;
+      const bool hit = where.count(fp) != 0;
+      ASSERT_EQ(lru.touch(fp), hit) << capacity << " step " << step;
+      if (hit) {
+        order.splice(order.begin(), order, where[fp]);
+        continue;
+      }
+      if (where.size() == capacity) {
+        where.erase(order.back());
+        order.pop_back();
+      }
+      order.push_front(fp);
+      where[fp] = order.begin();
+      lru.add(fp);
+      ASSERT_EQ(lru.size(), where.size());
+      if (step % 97 == 0) {
+        ASSERT_EQ(lru.order(), std::vector<std::uint64_t>(order.begin(), order.end())) << step;
+      }
+    }
+    EXPECT_EQ(lru.order(), std::vector<std::uint64_t>(order.begin(), order.end()));
+    EXPECT_TRUE(lru.full());
+  }
 }
