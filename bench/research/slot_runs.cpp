@@ -114,11 +114,10 @@ class PieceCounter : public NullCopier {
 
  private:
   // The DMA path's pieces of one call (cuda_copier.cu, copy_pages_dma): the pieces of each full
-  // batch of kBatch, then of the rest.
+  // batch of cuda::kDmaBatch, then of the rest.
   void count_dma(Direction dir, const PageLayout& layout, std::span<const PageMove> moves,
                  Count& c) {
-    constexpr std::size_t kBatch = 128;  // the copier's kDmaBatch
-    cuda::DmaPieces pieces(kBatch);
+    cuda::DmaPieces pieces(cuda::kDmaBatch);
     const auto bytes = static_cast<std::size_t>(layout.page_bytes());
     for (const PageMove& m : moves) {
       void* dev = layout.block_address(0, m.block);

@@ -49,8 +49,6 @@ constexpr std::size_t kDmaMinChunkFewSegments = std::size_t{128} << 10;
 constexpr std::size_t kDmaMinPageFewSegments = std::size_t{256} << 10;
 constexpr std::size_t kFewSegments = 2;
 constexpr std::size_t kStagedMinPage = std::size_t{512} << 10;
-// DMA pieces submitted in one cudaMemcpyBatchAsync (see copy_pages_dma).
-constexpr std::size_t kDmaBatch = 128;
 // Layer-wise loads: a layer's chunks from this size on cross on the DMA engines (0.93-0.97 of a
 // contiguous copy from 128 KiB chunks, BENCHMARKS.md), smaller ones through the kernel.
 constexpr std::size_t kLayerDmaMinChunk = std::size_t{128} << 10;

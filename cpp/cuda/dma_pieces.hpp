@@ -19,6 +19,10 @@
 
 namespace hicache::cuda {
 
+/// DMA pieces the copier submits in one cudaMemcpyBatchAsync (cuda_copier.cu, copy_pages_dma;
+/// bench/research/slot_runs.cpp counts pieces by the same batches).
+inline constexpr std::size_t kDmaBatch = 128;
+
 class DmaPieces {
  public:
   /// @param limit the pieces one submission takes at most.

@@ -1,6 +1,7 @@
 #pragma once
-// What the index's open-addressed tables (EntryTable, ChildCounts; internal, not for engines)
-// share: where a key's probe starts, and backward-shift deletion.
+// What the index's open-addressed tables (EntryTable, ChildCounts; and the admission policy's
+// FlatLru; internal, not for engines) share: where a key's probe starts, and backward-shift
+// deletion.
 
 #include <cstddef>
 #include <cstdint>
