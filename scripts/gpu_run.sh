@@ -43,9 +43,11 @@
 #   bench-lowlevel  the C++ transfer benchmark (copier against cudaMemcpy variants, pinning),
 #               what submitting DMA pieces costs (bench/research/dma_submit.cu) and what each
 #               CUDA call of a staging window costs (bench/research/window_calls.cu), what a DMA
-#               piece costs by size and pinned memory (bench/research/piece_cost.cu), what the
-#               index costs a store into a cold pool (bench/research/store_walk.cpp), where the
-#               CPU copier should start streaming (bench/research/stream_threshold.cpp)
+#               piece costs by size and pinned memory (bench/research/piece_cost.cu), the
+#               kernel path's own limit on small pages by CTAs and pages a launch
+#               (bench/research/kernel_copy.cu), what the index costs a store into a cold pool
+#               (bench/research/store_walk.cpp), where the CPU copier should start streaming
+#               (bench/research/stream_threshold.cpp)
 #   demo        hicache demo with a Llama-3-8B-shaped model, 8K-26K-token conversations
 #   layerwise   bench/layerwise.py: convoys (a 1K-token load beside a 100K-token one) and the
 #               load-or-recompute decision on a throttled link
@@ -264,6 +266,8 @@ bench-lowlevel)
   cp "$LOGS/bench-window-calls.log" "$OUT/bench_window_calls.md"
   run bench-piece-cost build/gpu/hicache_bench_piece_cost
   cp "$LOGS/bench-piece-cost.log" "$OUT/bench_piece_cost.md"
+  run bench-kernel-copy build/gpu/hicache_bench_kernel_copy
+  cp "$LOGS/bench-kernel-copy.log" "$OUT/bench_kernel_copy.md"
   run bench-store-walk bash -c "for B in 16 128; do build/gpu/hicache_bench_store_walk --block-tokens \$B; done"
   cp "$LOGS/bench-store-walk.log" "$OUT/bench_store_walk.md"
   run bench-stream-threshold build/gpu/hicache_bench_stream_threshold

@@ -23,11 +23,15 @@ struct SegmentDesc {
 constexpr int kMaxSegments = 1024;
 constexpr int kMaxMovesPerLaunch = 224;  // keeps the parameter block under 4 KiB
 
-struct MoveBatch {
+/// A launch's pages, passed by value in the kernel's parameter block.
+template <int N>
+struct MoveBatchOf {
+  static constexpr int kCapacity = N;
   int count;
-  long long blocks[kMaxMovesPerLaunch];
-  char* hosts[kMaxMovesPerLaunch];
+  long long blocks[N];
+  char* hosts[N];
 };
+using MoveBatch = MoveBatchOf<kMaxMovesPerLaunch>;
 
 template <typename V>
 __device__ __forceinline__ V load_streaming(const V* p) {
@@ -38,10 +42,10 @@ __device__ __forceinline__ unsigned char load_streaming(const unsigned char* p) 
   return *p;
 }
 
-template <typename V, int U, bool kToHost>
+template <typename V, int U, bool kToHost, class Batch = MoveBatch>
 __global__ void __launch_bounds__(1024)
     page_copy_kernel(const SegmentDesc* __restrict__ segs, int nseg, long long tiles_per_page,
-                     MoveBatch batch) {
+                     Batch batch) {
   __shared__ long long first_tile[kMaxSegments];
   for (int i = threadIdx.x; i < nseg; i += blockDim.x) first_tile[i] = segs[i].first_tile;
   __syncthreads();
