@@ -86,17 +86,15 @@ void free_pools(Pools& p) {
 
 template <class Batch, bool kToHost>
 void launch(const Pools& p, int nseg, const std::vector<Move>& moves, int ctas, cudaStream_t s) {
-  constexpr int U = kToHost ? 4 : 8;  // the copier's unroll for 16-byte vectors (segment_table.cu)
-  static Batch batch;                 // up to 32 KiB: not on the stack
+  static Batch batch;  // up to 32 KiB: not on the stack
   for (std::size_t first = 0; first < moves.size(); first += Batch::kCapacity) {
     batch.count = static_cast<int>(std::min<std::size_t>(Batch::kCapacity, moves.size() - first));
     for (int i = 0; i < batch.count; ++i) {
       batch.blocks[i] = moves[first + i].block;
       batch.hosts[i] = moves[first + i].host;
     }
-    const long long work = (static_cast<long long>(batch.count) * p.tiles_per_page + 3) / 4;
-    const int blocks = static_cast<int>(std::min<long long>(ctas, work));
-    page_copy_kernel<uint4, U, kToHost, Batch>
+    const int blocks = hicache::cuda::launch_ctas(batch.count, p.tiles_per_page, ctas);
+    page_copy_kernel<uint4, hicache::cuda::kUnroll<uint4, kToHost>, kToHost, Batch>
         <<<blocks, kThreads, 0, s>>>(p.table, nseg, p.tiles_per_page, batch);
     check(cudaGetLastError(), "launch");
   }

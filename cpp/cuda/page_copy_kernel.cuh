@@ -33,6 +33,18 @@ struct MoveBatchOf {
 };
 using MoveBatch = MoveBatchOf<kMaxMovesPerLaunch>;
 
+// Vectors in flight per thread. Reads across PCIe (to device) are latency-bound and want many;
+// reads from HBM (to host) need fewer, and 16-byte vectors at 8 deep would spill registers
+// under the 64-register budget of 1024-thread CTAs.
+template <typename V, bool kToHost>
+constexpr int kUnroll = (sizeof(V) == 16 && kToHost) ? 4 : 8;
+
+/// CTAs for a launch of `pages` pages: at most `max_ctas`, and no more than one per four tiles.
+constexpr int launch_ctas(int pages, long long tiles_per_page, int max_ctas) {
+  const long long work = (static_cast<long long>(pages) * tiles_per_page + 3) / 4;
+  return static_cast<int>(work < max_ctas ? work : max_ctas);
+}
+
 template <typename V>
 __device__ __forceinline__ V load_streaming(const V* p) {
   return __ldcs(p);

@@ -6,12 +6,6 @@
 namespace hicache::cuda {
 namespace {
 
-// Vectors in flight per thread. Reads across PCIe (to device) are latency-bound and want many;
-// reads from HBM (to host) need fewer, and 16-byte vectors at 8 deep would spill registers
-// under the 64-register budget of 1024-thread CTAs.
-template <typename V, bool kToHost>
-constexpr int kUnroll = (sizeof(V) == 16 && kToHost) ? 4 : 8;
-
 template <typename V, bool kToHost>
 void launch_one(const SegmentDesc* segs, int nseg, long long tiles_per_page, const MoveBatch& batch,
                 int blocks, int threads, cudaStream_t stream) {
@@ -76,8 +70,7 @@ void SegmentTable::launch(Direction dir, std::span<const PageMove> moves, int ma
       batch.blocks[i] = moves[first + i].block;
       batch.hosts[i] = reinterpret_cast<char*>(moves[first + i].host);
     }
-    const long long work = (static_cast<long long>(batch.count) * tiles_per_page_ + 3) / 4;
-    const int blocks = static_cast<int>(std::min<long long>(max_blocks, work));
+    const int blocks = launch_ctas(batch.count, tiles_per_page_, max_blocks);
     const int t = threads_;
     if (vec_ == 16) {
       to_host ? launch_one<uint4, true>(rows_, count_, tiles_per_page_, batch, blocks, t, s)
